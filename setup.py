@@ -1,0 +1,54 @@
+"""Install leangrpo_mcore.
+
+On a CPU-only machine install ``torch==2.13.0`` first (see README): an unpinned torch in a fresh
+environment resolves to a multi-gigabyte CUDA build. ``pip install -e .`` keeps an installed torch.
+NVIDIA apex is detected at run time and is never a dependency (the PyPI package named ``apex`` is an
+unrelated project).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="leangrpo_mcore",
+    version="0.1.0",
+    description="Recompute-free GRPO for diffusion policies (FLUX, Wan) on megatron-core and FSDP2",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["leangrpo_mcore", "leangrpo_mcore.*"]),
+    include_package_data=True,
+    package_data={"leangrpo_mcore": ["data/*.txt"]},
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "diffusers>=0.32",
+        "safetensors",
+        "pyyaml",
+        "numpy",
+        "einops",
+        "psutil",
+        "pillow",
+        "tensorboard",
+        "tqdm",
+    ],
+    extras_require={
+        "te": ["transformer-engine[pytorch]"],
+        "dali": ["nvidia-dali-cuda120"],
+        "ocr": ["rapidocr-onnxruntime"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers"],
+    },
+    entry_points={
+        "console_scripts": [
+            "leangrpo-train=leangrpo_mcore.cli.train:main",
+            "leangrpo-convert=leangrpo_mcore.cli.convert:main",
+            "leangrpo-plan=leangrpo_mcore.cli.plan:main",
+            "leangrpo-bench=leangrpo_mcore.cli.bench:main",
+        ]
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (and TE where noted); skipped otherwise")
+    config.addinivalue_line("markers", "distributed: spawns gloo ranks")
+    config.addinivalue_line("markers", "slow: an end-to-end run of more than a few seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        has_cuda = False
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip)

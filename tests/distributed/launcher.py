@@ -1,0 +1,96 @@
+"""Spawn N gloo ranks from inside pytest.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (spawn), each with a fresh
+gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` and returns the
+list of per-rank return values (which must be picklable). A rank that raises makes the call fail
+with that rank's traceback; a run that exceeds ``timeout`` seconds is killed and fails, naming the
+ranks that did not finish. ``fn`` must be a module-level function so that it can be pickled.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, results), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outputs) - set(errors))
+                raise TimeoutError(f"distributed test timed out after {timeout:.0f}s; ranks {missing} did not finish")
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs and r not in errors]
+                if dead:
+                    errors.update({r: f"rank {r} died with exit code {procs[r].exitcode}" for r in dead})
+                continue
+            if status == "ok":
+                outputs[rank] = payload
+            else:
+                errors[rank] = payload
+                break  # the other ranks may now block in a collective: do not wait for them
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not errors else 0.5)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if errors:
+        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise RuntimeError(f"distributed test failed on ranks {sorted(errors)}:\n{report}")
+    return [outputs[r] for r in range(world_size)]
