@@ -1,0 +1,36 @@
+"""What every entry point shares: one-line errors with exit code 2, and rank-aware output."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Sequence
+
+from leangrpo_mcore.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+    """Call ``main(argv)``; a :class:`UserError` (or a missing file) becomes one line on stderr and exit 2.
+
+    Set ``LEANGRPO_TRACEBACK=1`` to see the traceback of such an error.
+    """
+    try:
+        code = main(argv)
+    except (UserError, FileNotFoundError) as err:
+        if os.environ.get("LEANGRPO_TRACEBACK") == "1":
+            raise
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(code or 0)
+
+
+def not_implemented(command: str, issue: int) -> int:
+    """The answer of an entry point whose feature has not landed yet."""
+    print(f"{command}: not implemented yet, see issue {issue}", file=sys.stderr)
+    return 1

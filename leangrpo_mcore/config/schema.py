@@ -1,0 +1,282 @@
+"""The experiment configuration: one dataclass per section, a docstring per field.
+
+YAML files are plain data mapped onto these classes by :mod:`leangrpo_mcore.config.loader`, which checks every
+key, type, range and choice. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
+
+from leangrpo_mcore.config.fields import option
+
+SDE_KINDS = ("flow_grpo", "flow_grpo_cps", "wan", "dance_grpo")
+SIGMA_SCHEDULES = ("flux", "sd3", "dance", "wan")
+
+
+@dataclass
+class SamplerConfig:
+    """How a trajectory is rolled out (ALGORITHMS.md §2-3)."""
+
+    sde_kind: str = option("flow_grpo", choices=SDE_KINDS)
+    """SDE step variant: flow_grpo (FlowGRPO sde), flow_grpo_cps, wan (FlowGRPO's Wan step), dance_grpo."""
+    num_steps: int = option(6, ge=1)
+    """T, the number of denoising steps of a rollout."""
+    noise_level: float = option(0.9, ge=0.0)
+    """SDE noise: FlowGRPO's noise level a (0.7 SD3, 0.9 FLUX), or DanceGRPO's eta (0.3)."""
+    sigma_schedule: str = option("flux", choices=SIGMA_SCHEDULES)
+    """Sigma schedule: flux (dynamic shift from the token count), sd3 / wan (static shift), dance (time shift)."""
+    shift: float = option(3.0, gt=0.0)
+    """Static shift of the sd3, wan and dance schedules (unused by flux, whose shift depends on tokens)."""
+    guidance_scale: float = option(3.5, ge=0.0)
+    """Guidance-embedding value given to a guidance-distilled policy (FLUX.1-dev: 3.5)."""
+    cfg_scale: float = option(1.0, ge=1.0)
+    """Two-branch classifier-free guidance scale (Wan: 5.0); 1.0 disables the unconditional branch."""
+    height: int = option(512, ge=16)
+    """Image height in pixels."""
+    width: int = option(512, ge=16)
+    """Image width in pixels."""
+    frames: int = option(1, ge=1)
+    """Video frames in pixel space (1 for images)."""
+    same_latent: bool = False
+    """Share the initial noise within a prompt group (SDE noise always differs per generation)."""
+    sde_window_size: int = option(0, ge=0)
+    """FlowGRPO-Fast: number of SDE steps in the noise window (0 = SDE on every step)."""
+    sde_window_range: list[int] = option(factory=lambda: [0, 3])
+    """FlowGRPO-Fast: [lowest, highest) start step of the SDE window, drawn per prompt group."""
+
+
+@dataclass
+class GRPOConfig:
+    """Advantages, the clipped surrogate, KL and the selected steps (ALGORITHMS.md §4)."""
+
+    group_size: int = option(4, ge=1)
+    """M, the generations per prompt."""
+    prompts_per_step: int = option(1, ge=1)
+    """Prompt groups per optimizer step, over the whole data-parallel world."""
+    clip_range: float = option(1e-4, gt=0.0)
+    """epsilon of the clipped ratio (1e-4; 1e-5 for FlowGRPO-Fast)."""
+    adv_clip_max: float = option(5.0, gt=0.0)
+    """Advantages are clamped to +-adv_clip_max."""
+    kl_beta: float = option(0.0, ge=0.0)
+    """beta of the KL term to the reference policy (0 disables it and the reference forward)."""
+    kl_form: str = option("flow_grpo", choices=("flow_grpo", "exact"))
+    """KL on SDE means: flow_grpo divides by 2 std_t^2 (FlowGRPO SD3/FLUX code); exact is the true Gaussian KL."""
+    advantage: str = option("flow_grpo", choices=("flow_grpo", "dance_grpo"))
+    """Advantage estimator: flow_grpo ((r-mean)/(std+1e-4), ddof 0) or dance_grpo ((r-mean)/(std+1e-8), ddof 1)."""
+    global_std: bool = False
+    """Normalise by the std of all rewards of the step instead of the group's."""
+    timestep_fraction: float = option(0.99, gt=0.0, le=1.0)
+    """Fraction of the steps that are trained (FlowGRPO: first int(T*f); DanceGRPO: int((T-1)*f) random ones)."""
+    timestep_selection: str = option("flow_grpo", choices=("flow_grpo", "dance_grpo", "sde_window"))
+    """Which steps are selected, drawn before rollout: first ones, a random subset per sample, or the SDE window."""
+    updates_per_rollout: int = option(1, ge=1)
+    """Optimizer steps per rollout batch; the first is recompute-free, later ones recompute (Native)."""
+
+
+@dataclass
+class RewardConfig:
+    """The reward function (a registry name, or a weighted sum of several)."""
+
+    name: str = "jpeg_compressibility"
+    """Registered reward name, or 'weighted' to combine the rewards in `weights`."""
+    weights: Optional[dict[str, float]] = None
+    """For name 'weighted': {reward name: weight}."""
+    normalize: bool = False
+    """For name 'weighted': z-score each reward over the batch before weighting."""
+    url: Optional[str] = None
+    """For name 'remote': the HTTP endpoint of a reward server."""
+    timeout_s: float = option(60.0, gt=0.0)
+    """For name 'remote': per-request timeout in seconds."""
+    retries: int = option(3, ge=0)
+    """For name 'remote': retries after a failed request."""
+    async_scoring: bool = False
+    """Score rewards in a background thread so that scoring overlaps the next rollout where possible."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the policy's linears."""
+
+    rank: int = option(0, ge=0)
+    """Adapter rank; 0 means a full fine-tune."""
+    alpha: float = option(1.0, gt=0.0)
+    """Adapter scale numerator: the update is (alpha / rank) * B A."""
+    targets: list[str] = option(
+        factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                         "to_add_out", "ff", "ff_context"]
+    )
+    """Module-name suffixes that receive adapters (FlowGRPO's FLUX set by default)."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy (FLUX or Wan) and its conditioning models."""
+
+    family: str = option("flux", choices=("flux", "wan"))
+    """Policy architecture family."""
+    path: Optional[str] = None
+    """A diffusers transformer directory or a leangrpo_mcore checkpoint; null builds from `preset` + `arch`."""
+    preset: Optional[str] = "tiny"
+    """Named architecture preset of the family (e.g. tiny, flux-dev, wan2.1-1.3b) for random init."""
+    arch: dict[str, Any] = option(factory=dict)
+    """Overrides of the preset's diffusers-style hyper-parameters (e.g. num_layers)."""
+    backend: str = option("auto", choices=("auto", "local", "te"))
+    """Layer backend: te (Transformer Engine) when it imports and CUDA is available, else local megatron-core."""
+    dtype: str = option("float32", choices=("float32", "bfloat16", "float16"))
+    """Parameter / compute dtype of the policy."""
+    fp8: Optional[str] = option(None, choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
+    """FP8 recipe for TE layers (null = off); needs the te backend."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward."""
+    seed: int = option(0, ge=0)
+    """Seed of the random initialisation (when no `path` is given)."""
+    lora: LoRAConfig = option(factory=LoRAConfig)
+    """Adapters (rank 0 = full fine-tune)."""
+    text_encoder: str = option("hashed", choices=("hashed", "diffusers", "precomputed"))
+    """Text conditioning provider: hashed (tiny deterministic embedder, not a language model), diffusers, precomputed."""
+    text_encoder_path: Optional[str] = None
+    """diffusers pipeline directory holding the text encoders, or the precomputed embedding cache."""
+    vae: str = option("tiny", choices=("tiny", "diffusers"))
+    """Latent decoder: tiny random VAE for CPU runs, or diffusers weights from `vae_path`."""
+    vae_path: Optional[str] = None
+    """diffusers VAE directory (AutoencoderKL for FLUX, AutoencoderKLWan for Wan)."""
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor and data parallel degrees and the layout of prompt groups."""
+
+    tp: int = option(1, ge=1)
+    """Tensor-parallel degree (within a node)."""
+    dp_shard: int | Literal["auto"] = "auto"
+    """FSDP2 sharding degree; auto = world size / (tp * dp_replicate)."""
+    dp_replicate: int | Literal["auto"] = "auto"
+    """HSDP replica degree (across nodes); auto = 1."""
+    layout: str = option("shared", choices=("shared", "conventional"))
+    """shared: a prompt's generations spread over ranks (LeanGRPO); conventional: each rank holds whole groups."""
+    param_dtype: str = option("float32", choices=("float32", "bfloat16"))
+    """FSDP2 MixedPrecisionPolicy parameter dtype."""
+    reduce_dtype: str = option("float32", choices=("float32", "bfloat16"))
+    """FSDP2 MixedPrecisionPolicy gradient-reduction dtype."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after each block's forward."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Which step schedule computes the update."""
+
+    name: str = option("reweight", choices=("native", "retain", "reweight", "auto"))
+    """native (recompute), retain (keep graphs), reweight (immediate backward, rescale), auto (planner decides)."""
+    coalesce_sync: bool = False
+    """native: one reduce-scatter per update instead of one per backward (the Table-1 ablation)."""
+    reweight_accumulate: str = option("per_sample", choices=("per_sample", "affine"))
+    """reweight: one provisional gradient per in-flight sample, or the two affine accumulators (exact unless clamped)."""
+    micro_batch: int = option(1, ge=1)
+    """Samples per policy forward on a rank."""
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer and learning-rate schedule."""
+
+    name: str = option("adamw", choices=("adamw", "sgd"))
+    """Optimizer; NVIDIA apex's fused AdamW is used when installed."""
+    lr: float = option(1e-4, gt=0.0)
+    """Peak learning rate."""
+    betas: list[float] = option(factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = option(1e-8, gt=0.0)
+    """AdamW epsilon."""
+    weight_decay: float = option(1e-4, ge=0.0)
+    """Decoupled weight decay."""
+    momentum: float = option(0.0, ge=0.0, lt=1.0)
+    """SGD momentum."""
+    max_grad_norm: float = option(1.0, ge=0.0)
+    """Global gradient-norm clip (0 disables clipping)."""
+    lr_scheduler: str = option("constant", choices=("constant", "linear", "cosine"))
+    """Learning-rate decay after warm-up."""
+    warmup_steps: int = option(0, ge=0)
+    """Linear warm-up steps."""
+
+
+@dataclass
+class TrainConfig:
+    """The run."""
+
+    output_dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, tensorboard/."""
+    max_steps: int = option(10, ge=0)
+    """Optimizer steps to run."""
+    seed: int = option(0, ge=0)
+    """Seed of prompts, initial noise, SDE noise and selected steps (independent of rank and layout)."""
+    ema_decay: float = option(0.0, ge=0.0, lt=1.0)
+    """EMA of the trainable parameters (0 disables it)."""
+    max_nonfinite_skips: int = option(3, ge=0)
+    """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    save_every: int = option(0, ge=0)
+    """Save every N steps (0: only at the end)."""
+    resume: Optional[str] = None
+    """null (fresh run), auto (newest complete checkpoint in output_dir), or a checkpoint path."""
+    keep_last: int = option(0, ge=0)
+    """Keep only the newest N checkpoints (0 keeps all)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics, samples and progress output."""
+
+    sample_every: int = option(0, ge=0)
+    """Write samples/step_<N>.png every N steps (0: only the last step)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under output_dir/tensorboard."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0."""
+
+
+@dataclass
+class DataConfig:
+    """Prompts and image inputs."""
+
+    prompts: str = "builtin"
+    """Prompt source: 'builtin' (a small demo set) or a .txt (one per line) / .jsonl ({"prompt": ...}) file."""
+    shuffle: bool = True
+    """Reshuffle the prompts every epoch (deterministically from train.seed)."""
+    image_backend: str = option("auto", choices=("auto", "dali", "pil"))
+    """Image decode/resize pipeline for reward inputs and image datasets: NVIDIA DALI or PIL/torch."""
+
+
+@dataclass
+class Config:
+    """A whole experiment."""
+
+    sampler: SamplerConfig = option(factory=SamplerConfig)
+    """Rollout: SDE kind, steps, noise, schedule, guidance, resolution."""
+    grpo: GRPOConfig = option(factory=GRPOConfig)
+    """GRPO objective and step selection."""
+    reward: RewardConfig = option(factory=RewardConfig)
+    """Reward function."""
+    model: ModelConfig = option(factory=ModelConfig)
+    """Policy and conditioning models."""
+    parallel: ParallelConfig = option(factory=ParallelConfig)
+    """Parallel degrees and layout."""
+    schedule: ScheduleConfig = option(factory=ScheduleConfig)
+    """Update schedule."""
+    optim: OptimConfig = option(factory=OptimConfig)
+    """Optimizer."""
+    train: TrainConfig = option(factory=TrainConfig)
+    """Run length, output and seeds."""
+    checkpoint: CheckpointConfig = option(factory=CheckpointConfig)
+    """Checkpointing."""
+    logging: LoggingConfig = option(factory=LoggingConfig)
+    """Logging."""
+    data: DataConfig = option(factory=DataConfig)
+    """Data."""
