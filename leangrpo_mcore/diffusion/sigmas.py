@@ -1,0 +1,195 @@
+"""Sigma schedules of the flow-matching samplers (ALGORITHMS.md §3).
+
+Every schedule is a 1-D float32 tensor of ``num_steps + 1`` sigmas that starts at 1 (pure noise) and
+decreases to a final sigma of exactly 0 (the clean sample). Step ``t`` of a trajectory maps the latent at
+``sigmas[t]`` to the latent at ``sigmas[t + 1]``.
+
+Values are computed in float64 and rounded once to float32, except where the reference computes in
+float32 itself (noted per schedule): matching the reference's own rounding keeps the derived integer
+timesteps identical.
+
+Timestep convention (what the policy's forward receives):
+``timesteps_from_sigmas`` returns the scheduler-scale timestep in [0, 1000], exactly the values a diffusers
+pipeline iterates over (``scheduler.timesteps``) or, for DanceGRPO, ``int(sigma * 1000)``. SD3 and Wan
+pipelines hand that value to their transformer unchanged. FluxPipeline (and DanceGRPO's FLUX script)
+hand ``timestep / 1000`` to ``FluxTransformer2DModel``, which multiplies by 1000 again inside;
+``transformer_timestep(timesteps, "flux", dtype=latent_dtype)`` reproduces that cast and division, so a
+FLUX policy sees the same number as the diffusers transformer does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SIGMA_KINDS = ("flux", "sd3", "dance", "wan")
+TRANSFORMER_FAMILIES = ("flux", "sd3", "wan")
+
+_NUM_TRAIN_TIMESTEPS = 1000
+_DEFAULT_SHIFT = {"sd3": 3.0, "dance": 3.0, "wan": 3.0}
+
+
+def _check_num_steps(num_steps: int) -> None:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be a positive int, got {num_steps!r}")
+
+
+def _check_shift(shift: float) -> None:
+    if not (isinstance(shift, (int, float)) and math.isfinite(shift) and shift > 0):
+        raise ValueError(f"shift must be a positive finite number, got {shift!r}")
+
+
+def _append_zero(sigmas: torch.Tensor) -> torch.Tensor:
+    return torch.cat([sigmas.to(torch.float32), torch.zeros(1, dtype=torch.float32)])
+
+
+def static_shift(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
+    """SD3 / DanceGRPO time shift ``s·t / (1 + (s − 1)·t)`` applied elementwise (dtype preserved)."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def flux_mu(
+    image_seq_len: int,
+    *,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """FLUX dynamic-shift exponent: the line through (base_seq_len, base_shift), (max_seq_len, max_shift)."""
+    if max_seq_len == base_seq_len:
+        raise ValueError("max_seq_len must differ from base_seq_len")
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * slope + (base_shift - slope * base_seq_len)
+
+
+def flux_sigmas(
+    num_steps: int,
+    image_seq_len: int,
+    *,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> torch.Tensor:
+    """FlowGRPO-FLUX schedule: linspace(1, 1/N, N), exponential shift with mu(image_seq_len), then 0.
+
+    ``image_seq_len`` is the packed latent token count ((H/16)·(W/16) for FLUX). Matches FluxPipeline +
+    ``FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)``; returns (N+1,) float32, last 0.
+    """
+    _check_num_steps(num_steps)
+    if isinstance(image_seq_len, bool) or not isinstance(image_seq_len, int) or image_seq_len < 1:
+        raise ValueError(f"image_seq_len must be a positive int, got {image_seq_len!r}")
+    mu = flux_mu(
+        image_seq_len,
+        base_seq_len=base_seq_len,
+        max_seq_len=max_seq_len,
+        base_shift=base_shift,
+        max_shift=max_shift,
+    )
+    # diffusers rounds the linspace to float32 and shifts in float32 (with exp(mu) rounded to float32);
+    # the same operations here give its schedule bit for bit.
+    t = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64).to(torch.float32)
+    exp_mu = torch.tensor(math.exp(mu), dtype=torch.float32)
+    one = torch.ones((), dtype=torch.float32)
+    return _append_zero(exp_mu / (exp_mu + (one / t - one)))
+
+
+def _flow_match_default_sigmas(num_steps: int, shift: float, num_train_timesteps: int) -> torch.Tensor:
+    """Sigmas of ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(num_steps)`` without the 0."""
+    # The scheduler's smallest training sigma is shift(1/num_train_timesteps), stored in float32; the
+    # inference linspace runs from 1 down to it and is then shifted a second time (diffusers behaviour).
+    sigma_min = static_shift(torch.tensor(1.0 / num_train_timesteps, dtype=torch.float32), shift).item()
+    t = torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64)
+    return static_shift(t, shift)
+
+
+def sd3_sigmas(num_steps: int, shift: float = 3.0, *, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """FlowGRPO-SD3 schedule: ``FlowMatchEulerDiscreteScheduler(shift=shift)`` sigmas; (N+1,) fp32, last 0."""
+    _check_num_steps(num_steps)
+    _check_shift(shift)
+    return _append_zero(_flow_match_default_sigmas(num_steps, shift, num_train_timesteps))
+
+
+def wan_sigmas(num_steps: int, shift: float = 3.0, *, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """Wan schedule: a diffusers Wan pipeline's ``FlowMatchEulerDiscreteScheduler(shift=shift)`` sigmas.
+
+    Wan2.1 uses flow shift 3.0 at 480p and 5.0 at 720p. Returns (N+1,) float32, last 0.
+    """
+    _check_num_steps(num_steps)
+    _check_shift(shift)
+    return _append_zero(_flow_match_default_sigmas(num_steps, shift, num_train_timesteps))
+
+
+def dance_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
+    """DanceGRPO schedule: linspace(1, 0, N+1) then ``s·t / (1 + (s − 1)·t)``; (N+1,) fp32, last 0.
+
+    Computed in float32 in the reference's operation order, so ``int(sigma * 1000)`` (the timestep the
+    reference gives its model) is reproduced bit for bit.
+    """
+    _check_num_steps(num_steps)
+    _check_shift(shift)
+    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    return (shift * t) / (1 + (shift - 1) * t)
+
+
+def get_sigmas(
+    kind: str,
+    num_steps: int,
+    *,
+    image_seq_len: int | None = None,
+    shift: float | None = None,
+) -> torch.Tensor:
+    """Sigma schedule by name (``flux | sd3 | dance | wan``): (num_steps+1,) float32 from 1 down to 0.
+
+    ``flux`` needs ``image_seq_len`` and rejects ``shift`` (its shift is dynamic); the others take
+    ``shift`` (default 3.0) and reject ``image_seq_len``.
+    """
+    if kind not in SIGMA_KINDS:
+        raise ValueError(f"unknown sigma schedule {kind!r}; valid kinds: {', '.join(SIGMA_KINDS)}")
+    if kind == "flux":
+        if image_seq_len is None:
+            raise ValueError("the flux schedule needs image_seq_len (packed latent tokens)")
+        if shift is not None:
+            raise ValueError("the flux schedule shifts dynamically from image_seq_len; pass shift=None")
+        return flux_sigmas(num_steps, image_seq_len)
+    if image_seq_len is not None:
+        raise ValueError(f"image_seq_len applies only to the flux schedule, not {kind!r}")
+    shift = _DEFAULT_SHIFT[kind] if shift is None else shift
+    builders = {"sd3": sd3_sigmas, "dance": dance_sigmas, "wan": wan_sigmas}
+    return builders[kind](num_steps, shift)
+
+
+def timesteps_from_sigmas(sigmas: torch.Tensor, kind: str) -> torch.Tensor:
+    """Scheduler-scale timesteps in [0, 1000] for the given sigmas (float32, same shape).
+
+    ``flux | sd3 | wan``: ``sigma * 1000`` rounded in float32, exactly diffusers' ``scheduler.timesteps``.
+    ``dance``: ``int(sigma * 1000)`` (truncated toward zero, as DanceGRPO does), stored as float32.
+    See the module docstring for what each transformer receives.
+    """
+    if kind not in SIGMA_KINDS:
+        raise ValueError(f"unknown sigma schedule {kind!r}; valid kinds: {', '.join(SIGMA_KINDS)}")
+    scaled = sigmas.to(torch.float32) * _NUM_TRAIN_TIMESTEPS
+    if kind == "dance":
+        return torch.trunc(scaled)
+    return scaled
+
+
+def transformer_timestep(
+    timesteps: torch.Tensor, family: str, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The timestep a diffusers pipeline passes to its transformer, from scheduler-scale timesteps.
+
+    ``flux``: ``timesteps.to(dtype) / 1000``, computed in ``dtype``: FluxPipeline first casts the timestep
+    to the latents' dtype (so bf16 latents give a bf16-rounded timestep), then divides, and
+    FluxTransformer2DModel multiplies by 1000 again. ``sd3`` and ``wan``: the float32 timesteps unchanged
+    (their pipelines pass ``t`` as is; ``dtype`` is not used).
+    """
+    if family not in TRANSFORMER_FAMILIES:
+        raise ValueError(
+            f"unknown transformer family {family!r}; valid families: {', '.join(TRANSFORMER_FAMILIES)}"
+        )
+    if family == "flux":
+        return timesteps.to(dtype) / _NUM_TRAIN_TIMESTEPS
+    return timesteps.to(torch.float32)
