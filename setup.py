@@ -36,6 +36,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda120"],
         "ocr": ["rapidocr-onnxruntime"],
+        "text": ["transformers"],
         "test": ["pytest>=7", "pytest-timeout", "transformers"],
     },
     entry_points={

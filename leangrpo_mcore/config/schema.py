@@ -39,6 +39,8 @@ class SamplerConfig:
     """Image width in pixels."""
     frames: int = option(1, ge=1)
     """Video frames in pixel space (1 for images)."""
+    negative_prompt: str = ""
+    """Prompt of the unconditional branch of classifier-free guidance (Wan)."""
     same_latent: bool = False
     """Share the initial noise within a prompt group (SDE noise always differs per generation)."""
     sde_window_size: int = option(0, ge=0)
@@ -138,6 +140,8 @@ class ModelConfig:
     """Text conditioning provider: hashed (tiny deterministic embedder, not a language model), diffusers, precomputed."""
     text_encoder_path: Optional[str] = None
     """diffusers pipeline directory holding the text encoders, or the precomputed embedding cache."""
+    text_max_length: int = option(512, ge=1)
+    """Text tokens per prompt (T5 / UMT5: 512; tiny CPU configs use a few)."""
     vae: str = option("tiny", choices=("tiny", "diffusers"))
     """Latent decoder: tiny random VAE for CPU runs, or diffusers weights from `vae_path`."""
     vae_path: Optional[str] = None

@@ -1,0 +1,153 @@
+"""The ``diffusers`` text-conditioning provider: a pipeline's own text encoders, loaded from a local directory.
+
+FLUX (diffusers ``FluxPipeline``): CLIP ``text_encoder`` + ``tokenizer`` give the pooled vector (pooler output,
+77 tokens) and T5 ``text_encoder_2`` + ``tokenizer_2`` the token states (512 tokens, no attention mask, as the
+pipeline calls it). Wan (``WanPipeline``): UMT5 ``text_encoder`` + ``tokenizer`` with the attention mask, and the
+states after each prompt's last real token set to zero. Nothing is ever downloaded (``local_files_only``).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from leangrpo_mcore.data.conditioning import T5_MAX_LENGTH, TextDims, TextEncoder
+from leangrpo_mcore.errors import UserError
+
+CLIP_MAX_LENGTH = 77
+_SUBFOLDERS = {
+    "flux": ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
+    "wan": ("tokenizer", "text_encoder"),
+}
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def clean_wan_prompt(text: str) -> str:
+    """Wan's prompt cleaning: ftfy (when installed), double HTML unescape, collapsed whitespace."""
+    try:
+        import ftfy
+
+        text = ftfy.fix_text(text)
+    except ImportError:
+        pass
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _config_value(path: Path, key: str) -> int:
+    config = path / "config.json"
+    try:
+        return int(json.loads(config.read_text(encoding="utf-8"))[key])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read {key!r} from {config}: {type(exc).__name__}") from None
+
+
+def pipeline_text_dims(path: str | Path, family: str, *, max_length: int = T5_MAX_LENGTH) -> TextDims:
+    """The dims a pipeline's encoders produce: T5/UMT5 ``d_model`` and, for FLUX, CLIP's ``hidden_size``."""
+    root = Path(path)
+    if family == "flux":
+        return TextDims(
+            _config_value(root / "text_encoder_2", "d_model"), _config_value(root / "text_encoder", "hidden_size"),
+            max_length,
+        )
+    return TextDims(_config_value(root / "text_encoder", "d_model"), None, max_length)
+
+
+class DiffusersTextEncoder(TextEncoder):
+    """The text encoders of a diffusers FLUX or Wan pipeline directory, frozen, in eval mode."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        family: str,
+        dims: TextDims,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 16,
+        negative_prompt: Optional[str] = None,
+        guidance: Optional[float] = None,
+    ) -> None:
+        """Load the encoders under ``path``; UserError naming what is missing or fails to load."""
+        super().__init__(family, dims, negative_prompt=negative_prompt, guidance=guidance)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.root = Path(path)
+        if not self.root.is_dir():
+            raise UserError(f"text encoder path not found: {self.root}")
+        for name in _SUBFOLDERS[family]:
+            if not (self.root / name).is_dir():
+                raise UserError(f"{self.root} has no '{name}' folder (expected a diffusers {family} pipeline)")
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.tokenizer = self._load_tokenizer("tokenizer")
+        if family == "flux":
+            from transformers import CLIPTextModel, T5EncoderModel
+
+            self.text_encoder = self._load_model(CLIPTextModel, "text_encoder", dtype)
+            self.tokenizer_2 = self._load_tokenizer("tokenizer_2")
+            self.text_encoder_2 = self._load_model(T5EncoderModel, "text_encoder_2", dtype)
+        else:
+            from transformers import UMT5EncoderModel
+
+            self.text_encoder = self._load_model(UMT5EncoderModel, "text_encoder", dtype)
+
+    def _load_tokenizer(self, name: str) -> Any:
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.root / name), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 -- any loader failure is reported as one line
+            raise UserError(f"cannot load tokenizer {self.root / name}: {_one_line(exc)}") from None
+
+    def _load_model(self, cls: Any, name: str, dtype: torch.dtype) -> torch.nn.Module:
+        try:
+            model = cls.from_pretrained(str(self.root / name), local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 -- any loader failure is reported as one line
+            raise UserError(f"cannot load {cls.__name__} from {self.root / name}: {_one_line(exc)}") from None
+        model.requires_grad_(False)
+        return model.eval().to(device=self.device, dtype=dtype)
+
+    def _tokenize(self, tokenizer: Any, prompts: list[str], max_length: int) -> Any:
+        return tokenizer(
+            prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
+        )
+
+    @torch.no_grad()
+    def _embed_flux(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        clip_ids = self._tokenize(self.tokenizer, prompts, CLIP_MAX_LENGTH).input_ids.to(self.device)
+        pooled = self.text_encoder(clip_ids, output_hidden_states=False).pooler_output
+        t5_ids = self._tokenize(self.tokenizer_2, prompts, self.dims.max_length).input_ids.to(self.device)
+        tokens = self.text_encoder_2(t5_ids, output_hidden_states=False)[0]
+        return tokens.float(), pooled.float()
+
+    @torch.no_grad()
+    def _embed_wan(self, prompts: list[str]) -> torch.Tensor:
+        inputs = self._tokenize(self.tokenizer, [clean_wan_prompt(p) for p in prompts], self.dims.max_length)
+        ids, mask = inputs.input_ids.to(self.device), inputs.attention_mask.to(self.device)
+        hidden = self.text_encoder(ids, mask).last_hidden_state.float()
+        # WanPipeline keeps each prompt's first seq_len states and zero-pads the rest; the mask is a prefix of
+        # ones, so multiplying by it is that exactly.
+        return hidden * mask.unsqueeze(-1).to(hidden.dtype)
+
+    def embed(self, prompts: list[str]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Tokens (B, L, D) and, for FLUX, pooled (B, P); float32 on the encoders' device."""
+        tokens, pooled = [], []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start:start + self.batch_size]
+            if self.family == "flux":
+                chunk_tokens, chunk_pooled = self._embed_flux(chunk)
+                pooled.append(chunk_pooled)
+            else:
+                chunk_tokens = self._embed_wan(chunk)
+            tokens.append(chunk_tokens)
+        return torch.cat(tokens), (torch.cat(pooled) if pooled else None)
