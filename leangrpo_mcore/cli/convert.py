@@ -1,0 +1,160 @@
+"""`leangrpo-convert`: convert transformer checkpoints between diffusers and our policy format.
+
+  leangrpo-convert diffusers-to-mcore --model {flux,wan} --src DIFFUSERS_TRANSFORMER_DIR --dst DIR
+  leangrpo-convert mcore-to-diffusers --src DIR --dst DIR [--keep-lora]
+
+The diffusers side is a transformer directory (``config.json`` + ``*.safetensors``, sharded index
+supported). Our format records the model config and FULL tensors, and loads at any TP size. On export
+LoRA adapters are merged into the base weights, unless ``--keep-lora``: then the base weights stay
+unmerged and the adapters go to ``pytorch_lora_weights.safetensors`` (PEFT key names with the
+``transformer.`` prefix; the ``alpha / rank`` scale is folded into ``lora_B``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.errors import UserError
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+_LORA_MARKERS = (".lora_A.", ".lora_B.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(
+        prog="leangrpo-convert",
+        description="Convert transformer checkpoints between diffusers and the leangrpo_mcore format.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    to_ours = sub.add_parser("diffusers-to-mcore", help="diffusers transformer dir -> our checkpoint")
+    to_ours.add_argument("--model", required=True, choices=("flux", "wan"), help="model family of --src")
+    to_ours.add_argument("--src", required=True, help="diffusers transformer directory (config.json + *.safetensors)")
+    to_ours.add_argument("--dst", required=True, help="output directory (our format)")
+    to_ours.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")
+    to_diffusers = sub.add_parser("mcore-to-diffusers", help="our checkpoint -> diffusers transformer dir")
+    to_diffusers.add_argument("--src", required=True, help="our checkpoint directory")
+    to_diffusers.add_argument("--dst", required=True, help="output diffusers transformer directory")
+    to_diffusers.add_argument("--keep-lora", action="store_true",
+                              help=f"keep adapters unmerged, written to {LORA_FILE}")
+    to_diffusers.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")
+    return parser
+
+
+def _progress(keys: list[str], desc: str):
+    from tqdm import tqdm
+
+    # disable=None: a bar on a terminal, silent in pipes and CI logs.
+    return tqdm(keys, desc=desc, unit="tensor", disable=None, file=sys.stderr)
+
+
+def _read_all(source, desc: str) -> dict[str, torch.Tensor]:
+    return {key: source.get(key) for key in _progress(source.keys(), desc)}
+
+
+def _check_dst(dst: str, overwrite: bool) -> None:
+    path = Path(dst)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--dst {dst} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise UserError(f"--dst {dst} is not empty (pass --overwrite to write into it)")
+
+
+def diffusers_to_mcore(model: str, src: str, dst: str, *, overwrite: bool = False) -> Path:
+    """Convert a diffusers transformer directory of family ``model`` into our format at ``dst``."""
+    from leangrpo_mcore.models.common import checkpoint as ckpt
+    from leangrpo_mcore.models.registry import get_family
+
+    family = get_family(model)
+    hyper, source = ckpt.read_diffusers_dir(src)
+    class_name = hyper.get("_class_name")
+    if class_name != family.diffusers_class_name:
+        raise UserError(f"{src} holds a {class_name or 'model without _class_name'}, not a "
+                        f"{family.diffusers_class_name} (--model {model})")
+    _check_dst(dst, overwrite)
+    config = family.config_cls.from_diffusers_config(hyper)
+    tensors = family.diffusers_to_mcore(_read_all(source, "reading"), config)
+    return ckpt.write_policy_checkpoint(dst, family=family.name, config=config.to_diffusers_config(), lora=None,
+                                        tensors=tensors)
+
+
+def _split_lora(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    base = {k: v for k, v in tensors.items() if not any(m in k for m in _LORA_MARKERS)}
+    hosts = sorted({k.split(".lora_A.")[0] for k in tensors if ".lora_A." in k})
+    adapters = {}
+    for host in hosts:
+        a, b = f"{host}.lora_A.weight", f"{host}.lora_B.weight"
+        if a not in tensors or b not in tensors or f"{host}.weight" not in base:
+            raise UserError(f"checkpoint has an incomplete LoRA adapter at {host}")
+        adapters[host] = (tensors[a], tensors[b])
+    if len(base) + 2 * len(adapters) != len(tensors):
+        raise UserError("checkpoint has LoRA tensors without a matching lora_A / lora_B pair")
+    return base, adapters
+
+
+def merge_adapters(base: dict[str, torch.Tensor], adapters: dict, scaling: float) -> dict[str, torch.Tensor]:
+    """Base tensors with ``W + scaling * B @ A`` folded in (fp32 math, the same formula as merge_lora)."""
+    merged = dict(base)
+    for host, (a, b) in adapters.items():
+        weight = base[f"{host}.weight"]
+        merged[f"{host}.weight"] = (weight.float() + (b.float() @ a.float()) * scaling).to(weight.dtype)
+    return merged
+
+
+def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite: bool = False) -> Path:
+    """Export our checkpoint at ``src`` as a diffusers transformer directory at ``dst``."""
+    from leangrpo_mcore.models.common import checkpoint as ckpt
+    from leangrpo_mcore.models.registry import get_family
+
+    meta, source = ckpt.read_policy_checkpoint(src)
+    family = get_family(meta["family"])
+    config = family.config_cls.from_diffusers_config(meta["config"])
+    _check_dst(dst, overwrite)
+    base, adapters = _split_lora(_read_all(source, "reading"))
+    lora = meta.get("lora")
+    if adapters and not lora:
+        raise UserError(f"{src} holds LoRA tensors but its metadata has no lora entry")
+    scaling = float(lora["alpha"]) / float(lora["rank"]) if lora else 1.0
+    if adapters and not keep_lora:
+        base = merge_adapters(base, adapters, scaling)
+    converted = family.mcore_to_diffusers(base, config)
+    folder = ckpt.write_diffusers_dir(dst, class_name=family.diffusers_class_name,
+                                      config=config.to_diffusers_config(), tensors=converted)
+    if adapters and keep_lora:
+        peft = {}
+        for host, (a, b) in adapters.items():
+            if f"{host}.weight" not in converted:
+                raise UserError(f"cannot name the adapter of {host} in diffusers terms (--keep-lora)")
+            peft[f"transformer.{host}.lora_A.weight"] = a
+            peft[f"transformer.{host}.lora_B.weight"] = (b.float() * scaling).to(b.dtype)
+        ckpt.save_safetensors(peft, folder / LORA_FILE, metadata={"format": "pt"})
+    return folder
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "diffusers-to-mcore":
+            out = diffusers_to_mcore(args.model, args.src, args.dst, overwrite=args.overwrite)
+        else:
+            out = mcore_to_diffusers(args.src, args.dst, keep_lora=args.keep_lora, overwrite=args.overwrite)
+    except UserError:
+        raise
+    except ValueError as err:  # a config or state dict of the wrong kind, reported by the family code
+        raise UserError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+    print(f"wrote {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``leangrpo-convert``; returns the exit code (2 for bad input)."""
+    return run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

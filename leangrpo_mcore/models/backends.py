@@ -1,0 +1,303 @@
+"""Layer backends: the one place that names Transformer Engine.
+
+A backend provider builds the linears and the core attention of a model, in the style of
+megatron-core's ``LocalSpecProvider`` / ``TESpecProvider``: the model asks for "a column-parallel linear"
+and the provider fills the slot with megatron's local ``ColumnParallelLinear`` or TE's ``Linear``.
+Whatever the backend:
+
+- every linear's ``forward(x)`` returns a Tensor (never megatron's ``(out, bias)`` tuple) and accepts any
+  number of leading dimensions;
+- parameters are named ``weight`` / ``bias`` and partitioned ones carry megatron's TP attributes, so one
+  checkpoint and one converter serve both backends;
+- every linear has ``parallel_mode`` in {"column", "row", "replicated"} and ``full_in_features`` /
+  ``full_out_features`` (the unsharded sizes), and can host LoRA adapters.
+
+``core_attention`` modules take q, k, v of shape (B, S, heads_local, head_dim) and an optional boolean
+``attn_mask`` broadcastable to (B, heads, S_q, S_k) with True = attend (torch SDPA convention), and
+return (B, S, heads_local * head_dim).
+
+Backend choice (:func:`resolve_backend`): ``auto`` is TE when ``import transformer_engine.pytorch``
+succeeds (any exception counts as absent: a broken TE raises RuntimeError/OSError, not only
+ImportError) and CUDA is available, else ``local``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import TransformerConfig
+
+from leangrpo_mcore.models.common.init import set_init, uniform_fan_in
+from leangrpo_mcore.models.common.lora import AdapterHostMixin
+from leangrpo_mcore.models.common.tp import divide, mark_tp_partitioned, tp_group, tp_world_size
+
+BACKENDS = ("auto", "local", "te")
+FP8_ALIGNMENT = 16
+"""TE's FP8 GEMMs need both matrix dimensions of the input to be multiples of 16."""
+
+
+@functools.lru_cache(maxsize=1)
+def _import_te():
+    try:
+        import transformer_engine.pytorch as te
+    except Exception:  # noqa: BLE001 - a broken TE install raises RuntimeError/OSError, not ImportError
+        return None
+    return te
+
+
+def te_available() -> bool:
+    """True when Transformer Engine imports and CUDA is available."""
+    return _import_te() is not None and torch.cuda.is_available()
+
+
+def resolve_backend(name: str = "auto") -> str:
+    """Map ``auto`` / ``local`` / ``te`` to the backend that will be used ("local" or "te")."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    if name == "auto":
+        return "te" if te_available() else "local"
+    if name == "te" and not te_available():
+        raise ValueError("backend 'te' requested but Transformer Engine does not import or CUDA is unavailable")
+    return name
+
+
+def _init_linear_params(module: torch.nn.Module, in_features: int, out_features: int, mode: str) -> None:
+    module.parallel_mode = mode
+    module.full_in_features = in_features
+    module.full_out_features = out_features
+    set_init(module.weight, uniform_fan_in(in_features))
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.nn.Parameter):
+        set_init(bias, uniform_fan_in(in_features))
+
+
+class ReplicatedLinear(torch.nn.Module, AdapterHostMixin):
+    """A full linear on every TP rank (adaLN modulation, embeddings, final projection)."""
+
+    def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig, bias: bool = True) -> None:
+        super().__init__()
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        _init_linear_params(self, in_features, out_features, "replicated")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + b`` plus the adapter term."""
+        return self.add_adapter_output(x, F.linear(x, self.weight, self.bias))
+
+
+def _flat_call(base_forward, x: torch.Tensor) -> torch.Tensor:
+    # megatron's linear autograd functions compute weight/bias gradients on 2-D or 3-D inputs only;
+    # flattening the leading dimensions makes every input rank safe.
+    out, _ = base_forward(x.reshape(-1, x.shape[-1]))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class LocalColumnParallelLinear(ColumnParallelLinear, AdapterHostMixin):
+    """megatron ColumnParallelLinear (output sharded over TP, never gathered) returning a Tensor."""
+
+    def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, config=config, init_method=config.init_method,
+                         bias=bias, gather_output=False, skip_bias_add=False, tp_group=tp_group())
+        # megatron sets the weight's TP attributes only when it initialises the weight itself.
+        mark_tp_partitioned(self.weight, 0)
+        _init_linear_params(self, in_features, out_features, "column")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Base output plus the adapter term (see the class doc)."""
+        if self.tp_group is None:  # built without megatron parallel_state: a plain TP=1 linear
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = _flat_call(super().forward, x)
+        return self.add_adapter_output(x, out)
+
+
+class LocalRowParallelLinear(RowParallelLinear, AdapterHostMixin):
+    """megatron RowParallelLinear (input sharded, output all-reduced, bias added once) returning a Tensor."""
+
+    def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, config=config, init_method=config.init_method,
+                         bias=bias, input_is_parallel=True, skip_bias_add=False, tp_group=tp_group())
+        mark_tp_partitioned(self.weight, 1)
+        _init_linear_params(self, in_features, out_features, "row")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Base output plus the adapter term (see the class doc)."""
+        if self.tp_group is None:
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = _flat_call(super().forward, x)
+        return self.add_adapter_output(x, out)
+
+
+class SDPACoreAttention(torch.nn.Module):
+    """Non-causal attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    fp32 inputs stay fp32 (torch picks a kernel that supports fp32); no dropout.
+    """
+
+    def __init__(self, *, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, S, H, D) x3 -> (B, S_q, H * D)."""
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=attn_mask, dropout_p=0.0, is_causal=False)
+        return out.transpose(1, 2).flatten(2)
+
+
+class BackendProvider:
+    """Builds the layer slots of a model; subclasses fill them with one implementation."""
+
+    name = "abstract"
+
+    def column_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                               bias: bool = True) -> torch.nn.Module:
+        """Linear whose output features are sharded over TP."""
+        raise NotImplementedError
+
+    def row_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                            bias: bool = True) -> torch.nn.Module:
+        """Linear whose input features are sharded over TP; output all-reduced, bias added once."""
+        raise NotImplementedError
+
+    def replicated_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                          bias: bool = True) -> torch.nn.Module:
+        """Linear with the full weight on every TP rank."""
+        return ReplicatedLinear(in_features, out_features, config=config, bias=bias)
+
+    def core_attention(self, *, config: TransformerConfig, num_heads: Optional[int] = None,
+                       head_dim: Optional[int] = None) -> torch.nn.Module:
+        """Attention over this rank's heads (defaults: config.num_attention_heads, config.kv_channels)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _heads(config, num_heads: Optional[int], head_dim: Optional[int]) -> tuple[int, int]:
+        heads = config.num_attention_heads if num_heads is None else num_heads
+        dim = config.kv_channels if head_dim is None else head_dim
+        return heads, dim
+
+
+class LocalBackend(BackendProvider):
+    """megatron-core ``tensor_parallel`` linears and torch SDPA: runs everywhere, including the CPU."""
+
+    name = "local"
+
+    def column_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                               bias: bool = True) -> torch.nn.Module:
+        """See :meth:`BackendProvider.column_parallel_linear`."""
+        return LocalColumnParallelLinear(in_features, out_features, config=config, bias=bias)
+
+    def row_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                            bias: bool = True) -> torch.nn.Module:
+        """See :meth:`BackendProvider.row_parallel_linear`."""
+        return LocalRowParallelLinear(in_features, out_features, config=config, bias=bias)
+
+    def core_attention(self, *, config: TransformerConfig, num_heads: Optional[int] = None,
+                       head_dim: Optional[int] = None) -> torch.nn.Module:
+        """See :meth:`BackendProvider.core_attention`."""
+        heads, dim = self._heads(config, num_heads, head_dim)
+        return SDPACoreAttention(num_heads=divide(heads, tp_world_size()), head_dim=dim)
+
+
+@functools.lru_cache(maxsize=1)
+def _te_classes():
+    te = _import_te()
+    if te is None:
+        raise ValueError("Transformer Engine is not importable")
+
+    class TELinear(te.Linear, AdapterHostMixin):
+        """TE ``Linear`` (column / row / no parallel mode) returning a Tensor, with LoRA slots."""
+
+        def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig, bias: bool,
+                     mode: str) -> None:
+            parallel = mode in ("column", "row")
+            super().__init__(
+                in_features, out_features, bias=bias, init_method=torch.nn.init.zeros_,
+                tp_group=tp_group() if parallel else None, tp_size=tp_world_size() if parallel else 1,
+                parallel_mode=mode if parallel else None, sequence_parallel=False,
+                params_dtype=config.params_dtype, device="cuda",
+            )
+            # TE sets megatron's TP attributes itself; restating them keeps every backend identical.
+            if mode == "column":
+                mark_tp_partitioned(self.weight, 0)
+                if bias:
+                    mark_tp_partitioned(self.bias, 0)
+            elif mode == "row":
+                mark_tp_partitioned(self.weight, 1)
+            _init_linear_params(self, in_features, out_features, mode)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            """Base output plus the adapter term (see the class doc)."""
+            x = x.contiguous()
+            rows = x.numel() // x.shape[-1]
+            if rows % FP8_ALIGNMENT or x.shape[-1] % FP8_ALIGNMENT:
+                # FP8 GEMMs need 16-aligned matrices; per-sample projections (adaLN modulation, the
+                # timestep / pooled-text embedders at small batch) run unquantised instead of failing.
+                with te.fp8_autocast(enabled=False):
+                    out = super().forward(x)
+            else:
+                out = super().forward(x)
+            return self.add_adapter_output(x, out)
+
+    class TECoreAttention(torch.nn.Module):
+        """TE ``DotProductAttention`` in "bshd" layout; picks flash / fused / unfused kernels itself."""
+
+        def __init__(self, *, num_heads: int, head_dim: int) -> None:
+            super().__init__()
+            self.attn = te.DotProductAttention(
+                num_attention_heads=num_heads, kv_channels=head_dim, attention_dropout=0.0,
+                qkv_format="bshd", attn_mask_type="no_mask", tp_size=tp_world_size(), tp_group=tp_group(),
+            )
+
+        def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+            """(B, S, H, D) x3 -> (B, S_q, H * D); ``attn_mask`` True = attend."""
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            if attn_mask is None:
+                return self.attn(q, k, v)
+            # TE's arbitrary masks mark the positions to drop, the opposite of torch SDPA.
+            return self.attn(q, k, v, attention_mask=~attn_mask.bool(), attn_mask_type="arbitrary")
+
+    return TELinear, TECoreAttention
+
+
+class TEBackend(BackendProvider):
+    """Transformer Engine linears (FP8-capable) and fused attention; needs CUDA."""
+
+    name = "te"
+
+    def column_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                               bias: bool = True) -> torch.nn.Module:
+        """See :meth:`BackendProvider.column_parallel_linear`."""
+        return _te_classes()[0](in_features, out_features, config=config, bias=bias, mode="column")
+
+    def row_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                            bias: bool = True) -> torch.nn.Module:
+        """See :meth:`BackendProvider.row_parallel_linear`."""
+        return _te_classes()[0](in_features, out_features, config=config, bias=bias, mode="row")
+
+    def replicated_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
+                          bias: bool = True) -> torch.nn.Module:
+        """See :meth:`BackendProvider.replicated_linear`."""
+        return _te_classes()[0](in_features, out_features, config=config, bias=bias, mode="replicated")
+
+    def core_attention(self, *, config: TransformerConfig, num_heads: Optional[int] = None,
+                       head_dim: Optional[int] = None) -> torch.nn.Module:
+        """See :meth:`BackendProvider.core_attention`."""
+        heads, dim = self._heads(config, num_heads, head_dim)
+        return _te_classes()[1](num_heads=heads, head_dim=dim)
+
+
+def get_backend(name: str = "auto") -> BackendProvider:
+    """The provider for ``name`` in {"auto", "local", "te"} (see :func:`resolve_backend`)."""
+    return TEBackend() if resolve_backend(name) == "te" else LocalBackend()

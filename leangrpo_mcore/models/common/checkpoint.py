@@ -1,0 +1,273 @@
+"""Checkpoint files: our policy format, diffusers transformer directories, TP-resharding reads.
+
+Our format is a directory holding
+
+- ``leangrpo_model.json``: ``{"format": "leangrpo_mcore.policy", "version": 1, "family": ...,
+  "config": <diffusers-style hyper-parameters>, "lora": null | {"rank", "alpha", "targets"}}``;
+- ``model.safetensors``: the FULL (TP-gathered) tensors under our parameter names.
+
+Reads go through :class:`TensorSource`, which opens a single ``.safetensors`` file or a sharded set
+(``*.safetensors.index.json`` with a ``weight_map``) lazily, and reads only this rank's slice of a
+TP-partitioned parameter (so a checkpoint written at any TP size loads at any other).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.models.common.tp import full_shape, gather_tensor, is_tp_partitioned, shard_ranges, shard_tensor
+
+FORMAT_NAME = "leangrpo_mcore.policy"
+FORMAT_VERSION = 1
+META_FILE = "leangrpo_model.json"
+WEIGHTS_FILE = "model.safetensors"
+DIFFUSERS_CONFIG = "config.json"
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, of the wrong kind or corrupt (the message is one line)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path} does not exist")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({_one_line(exc)})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+class TensorSource:
+    """Lazy access to named tensors spread over one or more safetensors files."""
+
+    def __init__(self, key_to_file: dict[str, Path]) -> None:
+        self._key_to_file = dict(key_to_file)
+        self._handles: dict[Path, object] = {}
+
+    @classmethod
+    def from_file(cls, path: Path) -> "TensorSource":
+        """All tensors of one ``.safetensors`` file."""
+        source = cls({})
+        source._key_to_file = {key: Path(path) for key in source._handle(Path(path)).keys()}
+        return source
+
+    @classmethod
+    def from_index(cls, index_path: Path) -> "TensorSource":
+        """Tensors listed by a sharded index (``weight_map``: name -> file next to the index)."""
+        index = _read_json(Path(index_path))
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path} has no weight_map")
+        folder = Path(index_path).parent
+        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{index_path} names missing shard files: {', '.join(missing)}")
+        return cls({key: folder / name for key, name in weight_map.items()})
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            if not path.is_file():
+                raise CheckpointError(f"{path} does not exist")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
+            except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+                raise CheckpointError(f"{path} is not a readable safetensors file ({_one_line(exc)})") from None
+        return self._handles[path]
+
+    def keys(self) -> list[str]:
+        """Tensor names, sorted."""
+        return sorted(self._key_to_file)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._key_to_file
+
+    def _slice(self, key: str):
+        if key not in self._key_to_file:
+            raise CheckpointError(f"tensor {key!r} is not in the checkpoint")
+        path = self._key_to_file[key]
+        try:
+            return self._handle(path).get_slice(key)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {key!r} from {path} ({_one_line(exc)})") from None
+
+    def shape(self, key: str) -> torch.Size:
+        """The stored (full) shape of ``key``."""
+        return torch.Size(self._slice(key).get_shape())
+
+    def get(self, key: str) -> torch.Tensor:
+        """The full tensor ``key``."""
+        self._slice(key)
+        try:
+            return self._handle(self._key_to_file[key]).get_tensor(key)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
+
+    def get_shard(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of ``key`` for the parameter ``like``; reads only that slice."""
+        if not is_tp_partitioned(like):
+            return self.get(key)
+        view, dim = self._slice(key), like.partition_dim
+        shape = view.get_shape()
+        pieces = []
+        for start, stop in shard_ranges(like, shape[dim]):
+            index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
+            try:
+                pieces.append(view[index])
+            except Exception as exc:  # noqa: BLE001
+                raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+class MemorySource(TensorSource):
+    """A :class:`TensorSource` over FULL tensors already in memory (e.g. a converted state dict)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__({})
+        self._tensors = dict(tensors)
+
+    def keys(self) -> list[str]:
+        """Tensor names, sorted."""
+        return sorted(self._tensors)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._tensors
+
+    def shape(self, key: str) -> torch.Size:
+        """The stored (full) shape of ``key``."""
+        return self._tensors[key].shape
+
+    def get(self, key: str) -> torch.Tensor:
+        """The full tensor ``key``."""
+        return self._tensors[key]
+
+    def get_shard(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of ``key`` for the parameter ``like``."""
+        return shard_tensor(self._tensors[key], like)
+
+
+def is_policy_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory in our format (has ``leangrpo_model.json``)."""
+    return (Path(path) / META_FILE).is_file()
+
+
+def read_policy_checkpoint(path: str | os.PathLike) -> tuple[dict, TensorSource]:
+    """Validated metadata and the tensors of one of our checkpoints."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a directory")
+    meta = _read_json(folder / META_FILE)
+    if meta.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{folder / META_FILE} is not a {FORMAT_NAME} file (format={meta.get('format')!r})")
+    if meta.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{folder} has format version {meta.get('version')!r}; expected {FORMAT_VERSION}")
+    for key in ("family", "config"):
+        if key not in meta:
+            raise CheckpointError(f"{folder / META_FILE} lacks {key!r}")
+    return meta, TensorSource.from_file(folder / WEIGHTS_FILE)
+
+
+def read_diffusers_dir(path: str | os.PathLike) -> tuple[dict, TensorSource]:
+    """``config.json`` and the weights of a diffusers model directory (single file or sharded index)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a directory")
+    config = _read_json(folder / DIFFUSERS_CONFIG)
+    if (folder / DIFFUSERS_INDEX).is_file():
+        return config, TensorSource.from_index(folder / DIFFUSERS_INDEX)
+    if (folder / DIFFUSERS_WEIGHTS).is_file():
+        return config, TensorSource.from_file(folder / DIFFUSERS_WEIGHTS)
+    indexes = sorted(folder.glob("*.safetensors.index.json"))
+    files = sorted(folder.glob("*.safetensors"))
+    if len(indexes) == 1:
+        return config, TensorSource.from_index(indexes[0])
+    if len(files) == 1:
+        return config, TensorSource.from_file(files[0])
+    raise CheckpointError(f"{folder} has no unambiguous *.safetensors weights ({len(files)} files, "
+                          f"{len(indexes)} indexes)")
+
+
+def load_into(model: torch.nn.Module, source: TensorSource) -> None:
+    """Copy every parameter's shard from ``source`` (strict: no missing, unexpected or misshapen tensors)."""
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(source.keys()))
+    unexpected = sorted(set(source.keys()) - set(params))
+    if missing or unexpected:
+        raise CheckpointError(f"checkpoint does not match the model: {len(missing)} missing (e.g. "
+                              f"{missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})")
+    with torch.no_grad():
+        for name in sorted(params):
+            param = params[name]
+            if source.shape(name) != full_shape(param):
+                raise CheckpointError(f"{name}: checkpoint shape {tuple(source.shape(name))} != model "
+                                      f"shape {tuple(full_shape(param))}")
+            param.copy_(source.get_shard(name, param).to(dtype=param.dtype))
+
+
+def gather_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """FULL tensors of every parameter (all-gathered over TP; every TP rank must call), on the CPU."""
+    return {name: gather_tensor(param, param).cpu() for name, param in model.named_parameters()}
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Optional[dict] = None) -> None:
+    """Write ``tensors`` (detached, contiguous, CPU copies) to one safetensors file."""
+    from safetensors.torch import save_file
+
+    data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(data, str(path), metadata=metadata)
+
+
+def write_policy_checkpoint(dst: str | os.PathLike, *, family: str, config: dict, lora: Optional[dict],
+                            tensors: dict[str, torch.Tensor]) -> Path:
+    """Write our format to ``dst`` (created if needed); returns the directory."""
+    folder = Path(dst)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "family": family, "config": config, "lora": lora}
+    save_safetensors(tensors, folder / WEIGHTS_FILE, metadata={"format": FORMAT_NAME})
+    (folder / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return folder
+
+
+def write_diffusers_dir(dst: str | os.PathLike, *, class_name: str, config: dict,
+                        tensors: dict[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` + ``diffusion_pytorch_model.safetensors`` that diffusers' from_pretrained loads."""
+    import diffusers
+
+    folder = Path(dst)
+    folder.mkdir(parents=True, exist_ok=True)
+    full_config = {"_class_name": class_name, "_diffusers_version": diffusers.__version__, **config}
+    save_safetensors(tensors, folder / DIFFUSERS_WEIGHTS, metadata={"format": "pt"})
+    (folder / DIFFUSERS_CONFIG).write_text(json.dumps(full_config, indent=2, sort_keys=True) + "\n",
+                                           encoding="utf-8")
+    return folder
+
+
+def is_writer_rank() -> bool:
+    """Global rank 0 (or a single process) writes shared files."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank when torch.distributed is initialised."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,230 @@
+"""Tensor-parallel-aware LoRA adapters on the backend linears.
+
+An adapted linear (any module with ``parallel_mode`` built by a backend provider) gets two child
+modules ``lora_A`` (weight (r, in)) and ``lora_B`` (weight (out, r)), so parameter names read like
+PEFT's: ``transformer_blocks.0.attn.to_q.lora_A.weight``. The output is ``base(x) + s * B(A(x))`` with
+``s = alpha / rank``. Sharding follows the base layer:
+
+- column-parallel base (output sharded): A replicated, B sharded on its output rows. ``A(x)`` is
+  computed identically on every rank and enters ``copy_to_tp`` so that A's gradient sums the
+  contributions of every output shard;
+- row-parallel base (input sharded): A sharded on its input columns, its partial output all-reduced
+  over TP (the result is then replicated), B replicated;
+- replicated base: both replicated.
+
+B starts at zero, so an adapted model equals its base at initialisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from leangrpo_mcore.models.common.init import constant_init, init_parameter, set_init, uniform_fan_in
+from leangrpo_mcore.models.common.tp import all_reduce_tp, copy_to_tp, divide, mark_tp_partitioned, tp_world_size
+
+
+@dataclass
+class LoRAConfig:
+    """Which linears get adapters and their size."""
+
+    rank: int = 32
+    """Inner dimension r of each adapter."""
+    alpha: float = 64.0
+    """Scale numerator: the adapter output is multiplied by alpha / rank."""
+    targets: tuple[str, ...] = field(default_factory=tuple)
+    """Module-name suffixes (dotted boundaries). A match on a linear adapts it; a match on a container
+    (e.g. ``ff``) adapts every backend linear inside it."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (checkpoint metadata)."""
+        return {"rank": int(self.rank), "alpha": float(self.alpha), "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LoRAConfig":
+        """Inverse of :meth:`to_dict`."""
+        return cls(rank=int(data["rank"]), alpha=float(data["alpha"]), targets=tuple(data["targets"]))
+
+
+class LoRAFactor(torch.nn.Module):
+    """One low-rank factor: a bare ``weight`` parameter (named like PEFT's lora_A / lora_B)."""
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
+
+
+class AdapterHostMixin:
+    """Mixed into every backend linear: adds the (optional) LoRA path to the base output."""
+
+    lora_enabled: bool = True
+    lora_merged: bool = False
+    lora_scaling: float = 1.0
+
+    def has_lora(self) -> bool:
+        """Whether adapters are attached to this linear."""
+        return "lora_A" in self._modules
+
+    def add_adapter_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the adapter's contribution when attached, enabled and not merged."""
+        if not self.has_lora() or not self.lora_enabled or self.lora_merged:
+            return out
+        return out + lora_delta(self, x).to(out.dtype)
+
+
+def lora_delta(host: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The adapter term ``s * B(A(x))`` of ``host`` for input ``x`` (see module doc for TP)."""
+    a, b = host.lora_A.weight, host.lora_B.weight
+    x = x.to(a.dtype)
+    if host.parallel_mode == "column":
+        hidden = copy_to_tp(F.linear(x, a))
+    elif host.parallel_mode == "row":
+        hidden = all_reduce_tp(F.linear(x, a))
+    else:
+        hidden = F.linear(x, a)
+    return F.linear(hidden, b) * host.lora_scaling
+
+
+def iter_lora_hosts(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(name, module) of every linear with adapters attached."""
+    for name, module in model.named_modules():
+        if isinstance(module, AdapterHostMixin) and module.has_lora():
+            yield name, module
+
+
+def _matches(name: str, target: str) -> bool:
+    return name == target or name.endswith("." + target)
+
+
+def _attach(host: torch.nn.Module, rank: int, alpha: float) -> None:
+    weight = host.weight
+    full_in, full_out = host.full_in_features, host.full_out_features
+    tp = tp_world_size()
+    if host.parallel_mode == "row":
+        a_cols, b_rows = divide(full_in, tp), full_out
+    elif host.parallel_mode == "column":
+        a_cols, b_rows = full_in, divide(full_out, tp)
+    else:
+        a_cols, b_rows = full_in, full_out
+    host.lora_A = LoRAFactor(rank, a_cols, weight.dtype, weight.device)
+    host.lora_B = LoRAFactor(b_rows, rank, weight.dtype, weight.device)
+    # The adapter's sharded side follows the base weight's partition, segments included (FLUX's
+    # single-block proj_out consumes cat(attention, mlp), each sharded on its own).
+    segments = getattr(weight, "partition_segments", None)
+    if host.parallel_mode == "row":
+        mark_tp_partitioned(host.lora_A.weight, 1, segments=segments)
+    elif host.parallel_mode == "column":
+        mark_tp_partitioned(host.lora_B.weight, 0, segments=segments)
+    set_init(host.lora_A.weight, uniform_fan_in(full_in))
+    set_init(host.lora_B.weight, constant_init(0.0))
+    host.lora_scaling = float(alpha) / float(rank)
+    host.lora_enabled = True
+    host.lora_merged = False
+
+
+@torch.no_grad()
+def apply_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int = 0) -> list[str]:
+    """Attach adapters to the linears selected by ``config.targets``; return the adapted names.
+
+    A is drawn TP-invariantly from ``seed`` (same values at every TP size), B is zero. The config is
+    recorded on ``model.lora_config`` (saved in checkpoints).
+    """
+    if config.rank <= 0:
+        raise ValueError(f"LoRA rank must be positive, got {config.rank}")
+    if not config.targets:
+        raise ValueError("LoRA needs at least one target module name")
+    if getattr(model, "lora_config", None) is not None:
+        raise ValueError("this model already has LoRA adapters")
+    modules = dict(model.named_modules())
+    selected: dict[str, torch.nn.Module] = {}
+    for target in config.targets:
+        hits = [n for n in modules if n and _matches(n, target)]
+        if not hits:
+            raise ValueError(f"LoRA target {target!r} matches no module of {type(model).__name__}")
+        for hit in hits:
+            root = modules[hit]
+            for sub_name, sub in root.named_modules(prefix=hit):
+                if isinstance(sub, AdapterHostMixin):
+                    selected[sub_name] = sub
+    for name in sorted(selected):
+        host = selected[name]
+        _attach(host, config.rank, config.alpha)
+        # Seeded per parameter name, so A does not depend on which other modules were targeted.
+        init_parameter(host.lora_A.weight, f"{name}.lora_A.weight", seed)
+        init_parameter(host.lora_B.weight, f"{name}.lora_B.weight", seed)
+    model.lora_config = config
+    return sorted(selected)
+
+
+def lora_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """All adapter parameters (A and B of every adapted linear)."""
+    params = []
+    for _, host in iter_lora_hosts(model):
+        params.extend([host.lora_A.weight, host.lora_B.weight])
+    return params
+
+
+def mark_only_lora_trainable(model: torch.nn.Module) -> int:
+    """Freeze everything except the adapters; return the number of trainable parameters."""
+    if getattr(model, "lora_config", None) is None:
+        raise ValueError("the model has no LoRA adapters (call apply_lora first)")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    trainable = lora_parameters(model)
+    for param in trainable:
+        param.requires_grad_(True)
+    return sum(p.numel() for p in trainable)
+
+
+def _delta_weight(host: torch.nn.Module) -> torch.Tensor:
+    # The local shards compose without communication: column W_l += B_l A; row W_l += B A_l.
+    return (host.lora_B.weight.float() @ host.lora_A.weight.float()) * host.lora_scaling
+
+
+@torch.no_grad()
+def merge_lora(model: torch.nn.Module) -> int:
+    """Fold ``s * B A`` into each base weight (fp32 math); return how many linears were merged."""
+    count = 0
+    for _, host in iter_lora_hosts(model):
+        if not host.lora_merged:
+            host.weight.copy_((host.weight.float() + _delta_weight(host)).to(host.weight.dtype))
+            host.lora_merged = True
+            count += 1
+    return count
+
+
+@torch.no_grad()
+def unmerge_lora(model: torch.nn.Module) -> int:
+    """Undo :func:`merge_lora` (subtracts the same fp32 delta); return how many were unmerged."""
+    count = 0
+    for _, host in iter_lora_hosts(model):
+        if host.lora_merged:
+            host.weight.copy_((host.weight.float() - _delta_weight(host)).to(host.weight.dtype))
+            host.lora_merged = False
+            count += 1
+    return count
+
+
+def lora_is_merged(model: torch.nn.Module) -> bool:
+    """True when any adapter is currently merged into its base weight."""
+    return any(host.lora_merged for _, host in iter_lora_hosts(model))
+
+
+@contextlib.contextmanager
+def disable_adapters(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Run the base model (adapters bypassed) inside the block, e.g. for a KL reference forward."""
+    hosts = [host for _, host in iter_lora_hosts(model)]
+    if any(host.lora_merged for host in hosts):
+        raise ValueError("disable_adapters needs unmerged adapters (call unmerge_lora first)")
+    previous = [host.lora_enabled for host in hosts]
+    for host in hosts:
+        host.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for host, state in zip(hosts, previous):
+            host.lora_enabled = state

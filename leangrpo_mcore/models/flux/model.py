@@ -1,0 +1,142 @@
+"""The FLUX.1 transformer (FluxTransformer2DModel architecture) on megatron-core layers."""
+
+from __future__ import annotations
+
+import torch
+
+from leangrpo_mcore.models.backends import get_backend
+from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
+from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
+from leangrpo_mcore.models.common.rope import multi_axis_rope_cos_sin
+from leangrpo_mcore.models.common.tp import full_shape
+from leangrpo_mcore.models.flux.config import LATENT_PACKING, VAE_SCALE_FACTOR, FluxConfig
+from leangrpo_mcore.models.flux.layers import AdaLayerNormContinuous, FluxDoubleBlock, FluxSingleBlock
+
+TIMESTEP_CHANNELS = 256
+"""Sinusoidal features fed to the timestep / guidance embedders."""
+TIMESTEP_SCALE = 1000.0
+"""The model receives sigma in [0, 1] and embeds sigma * 1000 (diffusers' FLUX convention)."""
+
+
+class CombinedTimestepTextEmbedding(torch.nn.Module):
+    """``temb = timestep_embedder(t) [+ guidance_embedder(g)] + text_embedder(pooled)``."""
+
+    def __init__(self, config: FluxConfig, *, backend) -> None:
+        super().__init__()
+        dim = config.hidden_size
+        kwargs = dict(backend=backend, config=config, act="silu")
+        self.timestep_embedder = MLPEmbedder(TIMESTEP_CHANNELS, dim, dim, **kwargs)
+        if config.guidance_embeds:
+            self.guidance_embedder = MLPEmbedder(TIMESTEP_CHANNELS, dim, dim, **kwargs)
+        self.text_embedder = MLPEmbedder(config.pooled_projection_dim, dim, dim, **kwargs)
+
+    def forward(self, timestep: torch.Tensor, guidance: torch.Tensor | None,
+                pooled: torch.Tensor) -> torch.Tensor:
+        """(B,) scaled timesteps, optional (B,) scaled guidance, (B, pooled_dim) -> (B, dim)."""
+        emb = self.timestep_embedder(timestep_embedding(timestep, TIMESTEP_CHANNELS).to(pooled.dtype))
+        if guidance is not None:
+            emb = emb + self.guidance_embedder(timestep_embedding(guidance, TIMESTEP_CHANNELS).to(pooled.dtype))
+        return emb + self.text_embedder(pooled)
+
+
+class FluxTransformer(torch.nn.Module):
+    """FLUX.1 velocity model; ``forward`` takes diffusers' FluxTransformer2DModel arguments.
+
+    Knows nothing of RL, FSDP or schedules: it exposes :meth:`blocks` for per-block wrapping and its
+    sizes for planning.
+    """
+
+    def __init__(self, config: FluxConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        if not isinstance(config, FluxConfig):
+            raise ValueError(f"FluxTransformer needs a FluxConfig, got {type(config).__name__}")
+        provider = get_backend(backend)
+        self.config, self.backend_name = config, provider.name
+        dim = config.hidden_size
+        self.x_embedder = provider.replicated_linear(config.in_channels, dim, config=config)
+        self.context_embedder = provider.replicated_linear(config.joint_attention_dim, dim, config=config)
+        self.time_text_embed = CombinedTimestepTextEmbedding(config, backend=provider)
+        self.transformer_blocks = torch.nn.ModuleList(
+            [FluxDoubleBlock(config, backend=provider) for _ in range(config.num_double_layers)])
+        self.single_transformer_blocks = torch.nn.ModuleList(
+            [FluxSingleBlock(config, backend=provider) for _ in range(config.num_single_layers)])
+        self.norm_out = AdaLayerNormContinuous(dim, backend=provider, config=config)
+        out = config.patch_size * config.patch_size * config.output_channels
+        self.proj_out = provider.replicated_linear(dim, out, config=config)
+        if provider.name == "te":
+            # TE allocates its layers on the GPU; bring the torch-native ones (norms, replicated) along.
+            self.to(torch.cuda.current_device())
+
+    # ----------------------------------------------------------------- sizes and structure
+    @property
+    def hidden_size(self) -> int:
+        """Width of the residual stream."""
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        """Transformer blocks in total (double + single stream)."""
+        return self.config.num_layers
+
+    def blocks(self) -> list[torch.nn.Module]:
+        """Every transformer block in execution order (double-stream, then single-stream)."""
+        return list(self.transformer_blocks) + list(self.single_transformer_blocks)
+
+    def num_parameters(self, *, trainable_only: bool = False) -> int:
+        """Parameter count of the FULL (unsharded) model."""
+        return sum(full_shape(p).numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def tokens_for(self, height: int, width: int, frames: int = 1) -> int:
+        """Image tokens for a ``height`` x ``width`` pixel image (VAE /8, 2x2 packing, patch size)."""
+        if frames != 1:
+            raise ValueError(f"FLUX generates images: frames must be 1, got {frames}")
+        side = VAE_SCALE_FACTOR * LATENT_PACKING * self.config.patch_size
+        if height % side or width % side:
+            raise ValueError(f"height and width must be multiples of {side}, got {height}x{width}")
+        return (height // side) * (width // side)
+
+    # ----------------------------------------------------------------- forward
+    def _rope(self, img_ids: torch.Tensor, txt_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Batched (B, S, 3) ids are a deprecated diffusers form; like diffusers, use the first row.
+        txt_ids = txt_ids[0] if txt_ids.ndim == 3 else txt_ids
+        img_ids = img_ids[0] if img_ids.ndim == 3 else img_ids
+        ids = torch.cat([txt_ids, img_ids], dim=0)
+        return multi_axis_rope_cos_sin(ids, self.config.axes_dims_rope, self.config.rope_theta)
+
+    def _check_inputs(self, hidden_states, encoder_hidden_states, guidance) -> None:
+        if hidden_states.ndim != 3 or hidden_states.shape[-1] != self.config.in_channels:
+            raise ValueError(f"hidden_states must be (B, S, {self.config.in_channels}), got "
+                             f"{tuple(hidden_states.shape)}")
+        if encoder_hidden_states.ndim != 3 or encoder_hidden_states.shape[-1] != self.config.joint_attention_dim:
+            raise ValueError(f"encoder_hidden_states must be (B, S, {self.config.joint_attention_dim}), got "
+                             f"{tuple(encoder_hidden_states.shape)}")
+        if self.config.guidance_embeds and guidance is None:
+            raise ValueError("this FLUX model embeds guidance: pass guidance (B,)")
+        if not self.config.guidance_embeds and guidance is not None:
+            raise ValueError("this FLUX model has no guidance embedding: guidance must be None")
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor, timestep: torch.Tensor, img_ids: torch.Tensor,
+                txt_ids: torch.Tensor, guidance: torch.Tensor | None = None) -> torch.Tensor:
+        """Velocity (B, S_img, out_channels * patch^2) for packed latents ``hidden_states`` (B, S_img, C).
+
+        ``timestep`` and ``guidance`` are (B,) sigmas / guidance scales (embedded after x1000);
+        ``img_ids`` (S_img, 3) and ``txt_ids`` (S_txt, 3) are RoPE positions.
+        """
+        self._check_inputs(hidden_states, encoder_hidden_states, guidance)
+        x = self.x_embedder(hidden_states)
+        t = timestep.to(x.dtype) * TIMESTEP_SCALE
+        g = None if guidance is None else guidance.to(x.dtype) * TIMESTEP_SCALE
+        temb = self.time_text_embed(t, g, pooled_projections)
+        context = self.context_embedder(encoder_hidden_states)
+        cos, sin = self._rope(img_ids, txt_ids)
+        checkpointing = self.config.activation_checkpointing
+        for block in self.transformer_blocks:
+            x, context = maybe_checkpoint(block, x, context, temb, cos, sin, enabled=checkpointing)
+        text_len = context.shape[1]
+        # Single-stream blocks run on the joint [text, image] sequence.
+        joint = torch.cat([context, x], dim=1)
+        for block in self.single_transformer_blocks:
+            joint = maybe_checkpoint(block, joint, temb, cos, sin, enabled=checkpointing)
+        x = self.norm_out(joint[:, text_len:], temb)
+        return self.proj_out(x)

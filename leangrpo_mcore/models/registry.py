@@ -1,0 +1,182 @@
+"""Model families and the policy entry points: build, load and save.
+
+A family package (``leangrpo_mcore.models.flux``, ``leangrpo_mcore.models.wan``) exposes
+``FAMILY = ModelFamily(...)``. Families are imported lazily, so a missing one only fails when asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Union
+
+import torch
+
+from leangrpo_mcore.models.common import checkpoint as ckpt
+from leangrpo_mcore.models.common.fp8 import fp8_config
+from leangrpo_mcore.models.common.init import init_parameters
+from leangrpo_mcore.models.common.lora import LoRAConfig, apply_lora, lora_is_merged
+
+FAMILY_MODULES = {"flux": "leangrpo_mcore.models.flux", "wan": "leangrpo_mcore.models.wan"}
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """Everything generic code needs to know about one model family."""
+
+    name: str
+    """Short name used on the command line and in checkpoints ("flux", "wan")."""
+    config_cls: type
+    """TransformerConfig subclass with from_diffusers_config / to_diffusers_config."""
+    model_cls: type
+    """The policy module: ``model_cls(config, *, backend="auto")``."""
+    diffusers_class_name: str
+    """diffusers' ``_class_name`` in config.json (e.g. "FluxTransformer2DModel")."""
+    diffusers_to_mcore: Callable[[dict, Any], dict]
+    """Pure mapping of FULL tensors: diffusers state dict -> our parameter names."""
+    mcore_to_diffusers: Callable[[dict, Any], dict]
+    """Inverse mapping of :attr:`diffusers_to_mcore`."""
+    presets: dict[str, dict]
+    """Named diffusers-style configs (e.g. "flux-dev", "wan2.1-1.3b", tiny test sizes)."""
+    lora_targets: tuple[str, ...] = ()
+    """Default LoRA target suffixes for this family (FlowGRPO's choice)."""
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family called ``name``; ValueError when unknown or not importable."""
+    if name not in FAMILY_MODULES:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(sorted(FAMILY_MODULES))}")
+    try:
+        module = importlib.import_module(FAMILY_MODULES[name])
+    except ImportError as exc:
+        raise ValueError(f"model family {name!r} is not available ({exc})") from None
+    family = getattr(module, "FAMILY", None)
+    if not isinstance(family, ModelFamily):
+        raise ValueError(f"model family {name!r} is not available ({FAMILY_MODULES[name]} defines no FAMILY)")
+    return family
+
+
+def available_families() -> list[ModelFamily]:
+    """Every family that imports."""
+    found = []
+    for name in sorted(FAMILY_MODULES):
+        try:
+            found.append(get_family(name))
+        except ValueError:
+            continue
+    return found
+
+
+def family_for_diffusers_class(class_name: str) -> ModelFamily:
+    """The family whose diffusers class is ``class_name``."""
+    for family in available_families():
+        if family.diffusers_class_name == class_name:
+            return family
+    raise ValueError(f"no model family handles diffusers class {class_name!r}")
+
+
+def family_for_config(config: Any) -> ModelFamily:
+    """The family whose config class ``config`` is an instance of."""
+    for family in available_families():
+        if isinstance(config, family.config_cls):
+            return family
+    raise ValueError(f"{type(config).__name__} is not the config of a known model family")
+
+
+def _preset(name: str) -> tuple[ModelFamily, dict]:
+    hits = [(family, family.presets[name]) for family in available_families() if name in family.presets]
+    if not hits:
+        known = sorted(p for family in available_families() for p in family.presets)
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(known)}")
+    return hits[0]
+
+
+def resolve_model_config(model_config: Union[str, Mapping, Any]) -> tuple[ModelFamily, Any]:
+    """(family, config) from a config instance, a preset name, or a mapping.
+
+    A mapping holds ``family`` and/or ``preset`` plus diffusers-style hyper-parameters that override
+    the preset's (e.g. ``{"preset": "flux-tiny", "num_layers": 2}``), and optionally
+    ``activation_checkpointing`` (bool) and ``fp8`` (an FP8 recipe name, see ``common.fp8``).
+    """
+    if isinstance(model_config, str):
+        family, hyper = _preset(model_config)
+        return family, family.config_cls.from_diffusers_config(dict(hyper))
+    if isinstance(model_config, Mapping):
+        data = dict(model_config)
+        preset, family_name = data.pop("preset", None), data.pop("family", None)
+        checkpointing = data.pop("activation_checkpointing", None)
+        fp8_recipe = data.pop("fp8", None)
+        if preset is not None:
+            family, hyper = _preset(preset)
+            if family_name is not None and family_name != family.name:
+                raise ValueError(f"preset {preset!r} belongs to family {family.name!r}, not {family_name!r}")
+            data = {**hyper, **data}
+        elif family_name is not None:
+            family = get_family(family_name)
+        else:
+            raise ValueError("a model config mapping needs 'family' or 'preset'")
+        config = family.config_cls.from_diffusers_config(data)
+        if checkpointing is not None:
+            config = dataclasses.replace(config, activation_checkpointing=bool(checkpointing))
+        return family, fp8_config(config, fp8_recipe) if fp8_recipe else config
+    return family_for_config(model_config), model_config
+
+
+def build_policy(model_config: Union[str, Mapping, Any], *, seed: int = 0, backend: str = "auto",
+                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A randomly initialised policy; identical weights at every TP size for the same ``seed``."""
+    family, config = resolve_model_config(model_config)
+    model = _instantiate(family, config, backend, dtype)
+    init_parameters(model, seed)
+    return model
+
+
+def _instantiate(family: ModelFamily, config: Any, backend: str, dtype: torch.dtype) -> torch.nn.Module:
+    # Parameters are filled afterwards (seeded init or a checkpoint): skip megatron's own init.
+    config = dataclasses.replace(config, params_dtype=dtype, perform_initialization=False)
+    return family.model_cls(config, backend=backend)
+
+
+def load_policy(path: Union[str, os.PathLike], *, backend: str = "auto",
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """Load a diffusers transformer directory or one of our checkpoints, resharded to this TP size.
+
+    Run-time switches are not part of the checkpoint: set ``model.config.activation_checkpointing``
+    after loading (the forward reads it on every call).
+    """
+    if ckpt.is_policy_checkpoint(path):
+        meta, source = ckpt.read_policy_checkpoint(path)
+        family = get_family(meta["family"])
+        model = _instantiate(family, family.config_cls.from_diffusers_config(meta["config"]), backend, dtype)
+        if meta.get("lora"):
+            apply_lora(model, LoRAConfig.from_dict(meta["lora"]))
+        ckpt.load_into(model, source)
+        return model
+    hyper, source = ckpt.read_diffusers_dir(path)
+    family = family_for_diffusers_class(str(hyper.get("_class_name")))
+    config = family.config_cls.from_diffusers_config(hyper)
+    model = _instantiate(family, config, backend, dtype)
+    converted = family.diffusers_to_mcore({key: source.get(key) for key in source.keys()}, config)
+    ckpt.load_into(model, ckpt.MemorySource(converted))
+    return model
+
+
+def save_policy(model: torch.nn.Module, dst: Union[str, os.PathLike]) -> Optional[str]:
+    """Save ``model`` in our format (FULL tensors, gathered over TP; rank 0 writes).
+
+    Every TP rank must call it. Adapters must be unmerged (the file keeps base and adapters apart).
+    Returns the directory on the writing rank, None elsewhere.
+    """
+    if lora_is_merged(model):
+        raise ValueError("save_policy needs unmerged LoRA adapters (call unmerge_lora first)")
+    family = family_for_config(model.config)
+    tensors = ckpt.gather_state_dict(model)
+    lora = getattr(model, "lora_config", None)
+    written = None
+    if ckpt.is_writer_rank():
+        written = str(ckpt.write_policy_checkpoint(dst, family=family.name, config=model.config.to_diffusers_config(),
+                                                   lora=None if lora is None else lora.to_dict(), tensors=tensors))
+    ckpt.barrier()
+    return written
