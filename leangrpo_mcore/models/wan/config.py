@@ -1,0 +1,208 @@
+"""Configuration of the Wan text-to-video transformer (diffusers ``WanTransformer3DModel``).
+
+:class:`WanConfig` is a megatron-core ``TransformerConfig`` (so the layer backends, tensor parallelism and
+activation recompute read the fields they know) extended with Wan's own hyper-parameters. It converts from and
+to the hyper-parameters of diffusers' ``config.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from leangrpo_mcore.errors import UserError
+
+DIFFUSERS_CLASS_NAME = "WanTransformer3DModel"
+QK_NORM_ACROSS_HEADS = "rms_norm_across_heads"
+
+# Keys of diffusers' WanTransformer3DModel config that this implementation reads (private "_..." keys such as
+# _class_name / _diffusers_version are metadata and ignored).
+_DIFFUSERS_KEYS = (
+    "patch_size", "num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim",
+    "freq_dim", "ffn_dim", "num_layers", "cross_attn_norm", "qk_norm", "eps", "image_dim", "added_kv_proj_dim",
+    "rope_max_seq_len", "pos_embed_seq_len",
+)
+
+# diffusers' constructor defaults, used for keys a config.json leaves out.
+_DIFFUSERS_DEFAULTS: dict[str, Any] = {
+    "patch_size": (1, 2, 2), "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
+    "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+    "cross_attn_norm": True, "qk_norm": QK_NORM_ACROSS_HEADS, "eps": 1e-6, "image_dim": None,
+    "added_kv_proj_dim": None, "rope_max_seq_len": 1024, "pos_embed_seq_len": None,
+}
+
+
+@dataclass
+class WanConfig(TransformerConfig):
+    """Wan T2V transformer hyper-parameters on top of megatron-core's ``TransformerConfig``.
+
+    ``hidden_size = num_attention_heads * kv_channels`` (diffusers' inner_dim), ``kv_channels`` is diffusers'
+    ``attention_head_dim``, ``ffn_hidden_size`` its ``ffn_dim`` and ``layernorm_epsilon`` its ``eps``.
+    """
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    """(t, h, w) patch of the 3-D patch embedding, in latent pixels."""
+    in_channels: int = 16
+    """Latent channels of the input video."""
+    out_channels: int = 16
+    """Latent channels of the predicted velocity."""
+    text_dim: int = 4096
+    """Width of the text encoder's hidden states (UMT5-XXL: 4096)."""
+    freq_dim: int = 256
+    """Width of the sinusoidal timestep embedding."""
+    cross_attn_norm: bool = True
+    """Affine LayerNorm before the cross-attention (identity when False)."""
+    qk_norm: Optional[str] = QK_NORM_ACROSS_HEADS
+    """Query/key normalisation; only RMSNorm across all heads (the released models) is supported."""
+    rope_max_seq_len: int = 1024
+    """Positions per axis of the precomputed 3-D rotary table."""
+    image_dim: Optional[int] = None
+    """Image-embedding width of the I2V variants (unsupported: must be None)."""
+    added_kv_proj_dim: Optional[int] = None
+    """Image key/value projection width of the I2V variants (unsupported: must be None)."""
+    pos_embed_seq_len: Optional[int] = None
+    """Image positional-embedding length of the FLF2V variants (unsupported: must be None)."""
+    vae_scale_factor_temporal: int = 4
+    """Frames per latent frame of the paired VAE (first frame alone), used by ``tokens_for``."""
+    vae_scale_factor_spatial: Optional[int] = None
+    """Pixels per latent pixel of the paired VAE; None = 16 for the 48-channel Wan2.2 VAE, else 8."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (torch.utils.checkpoint, non-reentrant)."""
+
+    def __post_init__(self) -> None:
+        self._check_wan_fields()
+        if self.kv_channels is None:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.vae_scale_factor_spatial is None:
+            # The Wan2.2 VAE (48 latent channels) compresses 16x spatially, the Wan2.1 VAE (16 channels) 8x.
+            self.vae_scale_factor_spatial = 16 if self.in_channels == 48 else 8
+        super().__post_init__()
+
+    def _check_wan_fields(self) -> None:
+        if self.num_layers <= 0 or self.hidden_size <= 0 or self.num_attention_heads <= 0:
+            raise UserError("WanConfig needs positive num_layers, hidden_size and num_attention_heads")
+        if self.hidden_size % self.num_attention_heads:
+            raise UserError(
+                f"Wan hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads != self.hidden_size:
+            raise UserError("Wan needs hidden_size == num_attention_heads * kv_channels (attention_head_dim)")
+        self.patch_size = tuple(int(p) for p in self.patch_size)
+        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+            raise UserError(f"Wan patch_size must be three positive ints, got {self.patch_size}")
+        if self.qk_norm != QK_NORM_ACROSS_HEADS:
+            raise UserError(f"Wan qk_norm {self.qk_norm!r} is not supported (only {QK_NORM_ACROSS_HEADS!r})")
+        unsupported = {k: getattr(self, k) for k in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")}
+        unsupported = {k: v for k, v in unsupported.items() if v is not None}
+        if unsupported:
+            raise UserError(f"Wan image conditioning (I2V/FLF2V) is not supported: {unsupported}")
+        if self.recompute_granularity is not None:
+            raise UserError("Wan recomputes whole blocks: set activation_checkpointing, not recompute_granularity")
+
+    @property
+    def attention_head_dim(self) -> int:
+        """Channels per attention head (diffusers' ``attention_head_dim``)."""
+        return int(self.kv_channels)
+
+    @classmethod
+    def from_diffusers_config(cls, d: dict[str, Any], **overrides: Any) -> "WanConfig":
+        """Build from diffusers' ``config.json`` hyper-parameters; ``overrides`` set TransformerConfig fields."""
+        if not isinstance(d, dict):
+            raise UserError(f"a Wan config must be a dict, got {type(d).__name__}")
+        class_name = d.get("_class_name", DIFFUSERS_CLASS_NAME)
+        if class_name != DIFFUSERS_CLASS_NAME:
+            raise UserError(f"not a Wan transformer config: _class_name is {class_name!r}")
+        own = {"vae_scale_factor_temporal", "vae_scale_factor_spatial"}
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in _DIFFUSERS_KEYS and k not in own)
+        if unknown:
+            raise UserError(f"unknown keys in the Wan transformer config: {unknown}")
+        h = {**_DIFFUSERS_DEFAULTS, **{k: v for k, v in d.items() if k in _DIFFUSERS_KEYS}}
+        heads, head_dim = int(h["num_attention_heads"]), int(h["attention_head_dim"])
+        kwargs: dict[str, Any] = dict(
+            num_layers=int(h["num_layers"]),
+            hidden_size=heads * head_dim,
+            num_attention_heads=heads,
+            kv_channels=head_dim,
+            ffn_hidden_size=int(h["ffn_dim"]),
+            layernorm_epsilon=float(h["eps"]),
+            patch_size=tuple(h["patch_size"]),
+            in_channels=int(h["in_channels"]),
+            out_channels=int(h["out_channels"] or h["in_channels"]),
+            text_dim=int(h["text_dim"]),
+            freq_dim=int(h["freq_dim"]),
+            cross_attn_norm=bool(h["cross_attn_norm"]),
+            qk_norm=h["qk_norm"],
+            rope_max_seq_len=int(h["rope_max_seq_len"]),
+            image_dim=h["image_dim"],
+            added_kv_proj_dim=h["added_kv_proj_dim"],
+            pos_embed_seq_len=h["pos_embed_seq_len"],
+            use_cpu_initialization=True,
+            gradient_accumulation_fusion=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        kwargs.update({k: d[k] for k in own if k in d})
+        names = {f.name for f in fields(cls)}
+        bad = sorted(k for k in overrides if k not in names)
+        if bad:
+            raise UserError(f"unknown WanConfig fields: {bad}")
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_diffusers_config(self) -> dict[str, Any]:
+        """The diffusers ``config.json`` hyper-parameters of this model (JSON-serialisable)."""
+        return {
+            "patch_size": list(self.patch_size),
+            "num_attention_heads": self.num_attention_heads,
+            "attention_head_dim": self.attention_head_dim,
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "text_dim": self.text_dim,
+            "freq_dim": self.freq_dim,
+            "ffn_dim": self.ffn_hidden_size,
+            "num_layers": self.num_layers,
+            "cross_attn_norm": self.cross_attn_norm,
+            "qk_norm": self.qk_norm,
+            "eps": self.layernorm_epsilon,
+            "image_dim": self.image_dim,
+            "added_kv_proj_dim": self.added_kv_proj_dim,
+            "rope_max_seq_len": self.rope_max_seq_len,
+            "pos_embed_seq_len": self.pos_embed_seq_len,
+        }
+
+
+def _preset(heads: int, ffn_dim: int, num_layers: int, channels: int = 16) -> dict[str, Any]:
+    return {
+        **_DIFFUSERS_DEFAULTS,
+        "patch_size": [1, 2, 2],
+        "num_attention_heads": heads,
+        "attention_head_dim": 128,
+        "in_channels": channels,
+        "out_channels": channels,
+        "ffn_dim": ffn_dim,
+        "num_layers": num_layers,
+    }
+
+
+# diffusers config.json hyper-parameters of the released checkpoints (Wan-AI/*-Diffusers) and a CPU test size.
+PRESETS: dict[str, dict[str, Any]] = {
+    "wan2.1-1.3b": _preset(heads=12, ffn_dim=8960, num_layers=30),
+    "wan2.1-14b": _preset(heads=40, ffn_dim=13824, num_layers=40),
+    # TI2V-5B: same block design with 48 latent channels (Wan2.2 VAE); its per-token timesteps are supported.
+    "wan2.2-ti2v-5b": _preset(heads=24, ffn_dim=14336, num_layers=30, channels=48),
+    "tiny": {
+        **_DIFFUSERS_DEFAULTS,
+        "patch_size": [1, 2, 2],
+        "num_attention_heads": 2,
+        "attention_head_dim": 12,
+        "in_channels": 4,
+        "out_channels": 4,
+        "text_dim": 16,
+        "freq_dim": 8,
+        "ffn_dim": 32,
+        "num_layers": 2,
+        "rope_max_seq_len": 32,
+    },
+}

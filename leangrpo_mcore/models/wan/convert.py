@@ -1,0 +1,124 @@
+"""Pure state-dict mappings between diffusers' ``WanTransformer3DModel`` and :class:`WanModel`.
+
+Both directions work on FULL (unsharded) tensors and never change a value: names are renamed and the 3-D patch
+embedding's convolution kernel (D, C, pt, ph, pw) is viewed as the equivalent linear weight (D, C*pt*ph*pw)
+(a stride-equals-kernel convolution is a linear map on flattened patches), so a round trip is bit-exact.
+Inputs are checked against the shapes the config implies; a wrong model or a corrupt file gives one line.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.models.wan.config import WanConfig
+
+# (diffusers pattern, our pattern) and the inverse: blocks live in ``layers`` (so that ``WanModel.blocks()`` can
+# be a method), the Dropout slots of diffusers' Sequentials disappear; every other name is kept.
+_TO_MCORE = (
+    (r"^blocks\.(\d+)\.attn([12])\.to_out\.0\.", r"layers.\1.attn\2.to_out."),
+    (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"layers.\1.ffn.fc1."),
+    (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"layers.\1.ffn.fc2."),
+    (r"^blocks\.(\d+)\.", r"layers.\1."),
+)
+_TO_DIFFUSERS = (
+    (r"^layers\.(\d+)\.attn([12])\.to_out\.", r"blocks.\1.attn\2.to_out.0."),
+    (r"^layers\.(\d+)\.ffn\.fc1\.", r"blocks.\1.ffn.net.0.proj."),
+    (r"^layers\.(\d+)\.ffn\.fc2\.", r"blocks.\1.ffn.net.2."),
+    (r"^layers\.(\d+)\.", r"blocks.\1."),
+)
+_PATCH_WEIGHT = "patch_embedding.weight"
+
+
+def diffusers_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a diffusers ``WanTransformer3DModel`` state dict for ``config``."""
+    dim, ffn, freq = config.hidden_size, config.ffn_hidden_size, config.freq_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "scale_shift_table": (1, 2, dim),
+        _PATCH_WEIGHT: (dim, config.in_channels, *config.patch_size),
+        "patch_embedding.bias": (dim,),
+        "proj_out.weight": (config.out_channels * math.prod(config.patch_size), dim),
+        "proj_out.bias": (config.out_channels * math.prod(config.patch_size),),
+    }
+    _add_linear(shapes, "condition_embedder.time_embedder.linear_1", freq, dim)
+    _add_linear(shapes, "condition_embedder.time_embedder.linear_2", dim, dim)
+    _add_linear(shapes, "condition_embedder.time_proj", dim, 6 * dim)
+    _add_linear(shapes, "condition_embedder.text_embedder.linear_1", config.text_dim, dim)
+    _add_linear(shapes, "condition_embedder.text_embedder.linear_2", dim, dim)
+    for i in range(config.num_layers):
+        p = f"blocks.{i}"
+        shapes[f"{p}.scale_shift_table"] = (1, 6, dim)
+        for attn in ("attn1", "attn2"):
+            for proj in ("to_q", "to_k", "to_v", "to_out.0"):
+                _add_linear(shapes, f"{p}.{attn}.{proj}", dim, dim)
+            shapes[f"{p}.{attn}.norm_q.weight"] = (dim,)
+            shapes[f"{p}.{attn}.norm_k.weight"] = (dim,)
+        if config.cross_attn_norm:
+            shapes[f"{p}.norm2.weight"] = (dim,)
+            shapes[f"{p}.norm2.bias"] = (dim,)
+        _add_linear(shapes, f"{p}.ffn.net.0.proj", dim, ffn)
+        _add_linear(shapes, f"{p}.ffn.net.2", ffn, dim)
+    return shapes
+
+
+def _add_linear(shapes: dict[str, tuple[int, ...]], name: str, fan_in: int, fan_out: int) -> None:
+    shapes[f"{name}.weight"] = (fan_out, fan_in)
+    shapes[f"{name}.bias"] = (fan_out,)
+
+
+def _rename(name: str, rules: tuple[tuple[str, str], ...]) -> str:
+    for pattern, repl in rules:
+        new, n = re.subn(pattern, repl, name)
+        if n:
+            return new
+    return name
+
+
+def diffusers_name_to_mcore(name: str) -> str:
+    """Our parameter name for a diffusers Wan parameter name."""
+    return _rename(name, _TO_MCORE)
+
+
+def mcore_name_to_diffusers(name: str) -> str:
+    """The diffusers Wan parameter name for one of our parameter names."""
+    return _rename(name, _TO_DIFFUSERS)
+
+
+def mcore_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> FULL (TP-gathered) shape of every parameter of :class:`WanModel` for ``config``."""
+    out = {diffusers_name_to_mcore(k): v for k, v in diffusers_shapes(config).items()}
+    out[_PATCH_WEIGHT] = (config.hidden_size, config.in_channels * math.prod(config.patch_size))
+    return out
+
+
+def _check(state_dict: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], what: str) -> None:
+    unexpected = sorted(set(state_dict) - set(expected))
+    if unexpected:
+        raise UserError(f"not a Wan T2V {what} state dict for this config: unexpected keys {unexpected[:4]}")
+    missing = sorted(set(expected) - set(state_dict))
+    if missing:
+        raise UserError(f"incomplete Wan {what} state dict: missing keys {missing[:4]} ({len(missing)} in all)")
+    for name, shape in expected.items():
+        got = tuple(state_dict[name].shape)
+        if got != shape:
+            raise UserError(f"Wan {what} tensor {name} has shape {got}, the config implies {shape}")
+
+
+def diffusers_to_mcore(state_dict: dict[str, torch.Tensor], config: WanConfig) -> dict[str, torch.Tensor]:
+    """Map a FULL diffusers ``WanTransformer3DModel`` state dict to our parameter names and layouts."""
+    _check(state_dict, diffusers_shapes(config), "diffusers")
+    out = {diffusers_name_to_mcore(k): v for k, v in state_dict.items()}
+    w = out[_PATCH_WEIGHT]
+    out[_PATCH_WEIGHT] = w.reshape(w.shape[0], -1)
+    return out
+
+
+def mcore_to_diffusers(state_dict: dict[str, torch.Tensor], config: WanConfig) -> dict[str, torch.Tensor]:
+    """Map a FULL state dict of :class:`WanModel` to diffusers ``WanTransformer3DModel`` names and layouts."""
+    _check(state_dict, mcore_shapes(config), "leangrpo_mcore")
+    out = {mcore_name_to_diffusers(k): v for k, v in state_dict.items()}
+    out[_PATCH_WEIGHT] = state_dict[_PATCH_WEIGHT].reshape(config.hidden_size, config.in_channels, *config.patch_size)
+    return out

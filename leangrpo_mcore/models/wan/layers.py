@@ -1,0 +1,171 @@
+"""The Wan-specific building blocks: embeddings, 3-D RoPE, attention, feed-forward and the transformer block.
+
+Tensor parallelism lives inside the layers: q/k/v, the FFN's first projection and the text embedder's first
+projection are column-parallel (heads / hidden units / features split over the TP group), their partners are
+row-parallel (output all-reduced), so the residual stream, the modulation vectors and every embedding stay
+replicated and identical on all TP ranks. Wan normalises q and k with one RMSNorm over ALL heads; under TP its
+statistic is all-reduced over the group (``TPRMSNorm``), which keeps TP=N equal to TP=1.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leangrpo_mcore.models.backends import BackendProvider
+from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
+from leangrpo_mcore.models.common.init import normal_init, set_init
+from leangrpo_mcore.models.common.norms import LayerNorm, TPRMSNorm
+from leangrpo_mcore.models.common.rope import apply_rotary, multi_axis_rope_cos_sin
+from leangrpo_mcore.models.common.tp import divide, tp_world_size
+from leangrpo_mcore.models.wan.config import WanConfig
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+# RoPE base of the released Wan models (fixed in the reference implementation, not a config key).
+ROPE_THETA = 10000.0
+
+
+def rope_axis_dims(head_dim: int) -> tuple[int, int, int]:
+    """Channels of a head given to the (frame, height, width) axes of the 3-D RoPE."""
+    h_dim = w_dim = 2 * (head_dim // 6)
+    return head_dim - h_dim - w_dim, h_dim, w_dim
+
+
+def rope_tables(config: WanConfig, grid: tuple[int, int, int], device: torch.device) -> RopeTables:
+    """cos/sin (S, head_dim) fp32 of the 3-D RoPE for a (frames, height, width) patch grid, S = f*h*w.
+
+    Computed per forward rather than stored as buffers, so that casting the model to bf16 never rounds them.
+    """
+    if max(grid) > config.rope_max_seq_len:
+        raise ValueError(f"Wan patch grid {grid} exceeds rope_max_seq_len {config.rope_max_seq_len}")
+    axes = [torch.arange(n, device=device) for n in grid]
+    ids = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, 3)
+    return multi_axis_rope_cos_sin(ids, rope_axis_dims(config.attention_head_dim), ROPE_THETA)
+
+
+class WanTextEmbedder(nn.Module):
+    """Text hidden states -> linear (column) -> tanh-GELU -> linear (row): (B, L, text_dim) -> (B, L, hidden)."""
+
+    def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
+        super().__init__()
+        self.linear_1 = backend.column_parallel_linear(config.text_dim, config.hidden_size, config=config)
+        self.linear_2 = backend.row_parallel_linear(config.hidden_size, config.hidden_size, config=config)
+
+    def forward(self, text: torch.Tensor) -> torch.Tensor:
+        """Project the text encoder's states to the model width."""
+        return self.linear_2(F.gelu(self.linear_1(text), approximate="tanh"))
+
+
+class WanConditionEmbedder(nn.Module):
+    """Time embedding, its 6-way modulation projection, and the text embedding."""
+
+    def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
+        super().__init__()
+        self.freq_dim = config.freq_dim
+        self.time_embedder = MLPEmbedder(
+            config.freq_dim, config.hidden_size, config.hidden_size, backend=backend, config=config, act="silu"
+        )
+        self.time_proj = backend.replicated_linear(config.hidden_size, 6 * config.hidden_size, config=config)
+        self.text_embedder = WanTextEmbedder(config, backend)
+
+    def forward(
+        self, timestep: torch.Tensor, text: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``timestep`` (B,) or per-token (B, S) -> temb (B[, S], D), modulation (B[, S], 6, D), text (B, L, D)."""
+        sinusoid = timestep_embedding(timestep.flatten(), self.freq_dim).to(self.time_embedder.linear_1.weight.dtype)
+        temb = self.time_embedder(sinusoid).unflatten(0, timestep.shape).type_as(text)
+        modulation = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
+        return temb, modulation, self.text_embedder(text)
+
+
+class WanAttention(nn.Module):
+    """Multi-head attention with q/k RMSNorm over all heads; self-attention (with RoPE) or cross-attention."""
+
+    def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
+        super().__init__()
+        dim = config.hidden_size
+        self.heads_local = divide(config.num_attention_heads, tp_world_size())
+        self.head_dim = config.attention_head_dim
+        self.to_q = backend.column_parallel_linear(dim, dim, config=config)
+        self.to_k = backend.column_parallel_linear(dim, dim, config=config)
+        self.to_v = backend.column_parallel_linear(dim, dim, config=config)
+        self.norm_q = TPRMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+        self.norm_k = TPRMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
+        self.core_attention = backend.core_attention(config=config)
+        self.to_out = backend.row_parallel_linear(dim, dim, config=config)
+
+    def forward(
+        self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rope: Optional[RopeTables] = None
+    ) -> torch.Tensor:
+        """``x`` (B, S, D) attends to itself (``context`` None) or to ``context`` (B, L, D); returns (B, S, D)."""
+        source = x if context is None else context
+        q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads_local, self.head_dim))
+        k = self.norm_k(self.to_k(source)).unflatten(-1, (self.heads_local, self.head_dim))
+        v = self.to_v(source).unflatten(-1, (self.heads_local, self.head_dim))
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.to_out(self.core_attention(q, k, v).type_as(q))
+
+
+class WanFeedForward(nn.Module):
+    """fc1 (column) -> tanh-GELU -> fc2 (row)."""
+
+    def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
+        super().__init__()
+        self.fc1 = backend.column_parallel_linear(config.hidden_size, config.ffn_hidden_size, config=config)
+        self.fc2 = backend.row_parallel_linear(config.ffn_hidden_size, config.hidden_size, config=config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> (..., D)."""
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+def modulation_table(n: int, dim: int, dtype: torch.dtype) -> nn.Parameter:
+    """A learned (1, n, dim) shift/scale/gate table, initialised N(0, 1/dim) like the reference."""
+    table = nn.Parameter((torch.randn(1, n, dim) / dim**0.5).to(dtype))
+    set_init(table, normal_init(dim**-0.5))
+    return table
+
+
+def split_modulation(table: torch.Tensor, modulation: torch.Tensor) -> list[torch.Tensor]:
+    """Learned table (1, n, D) + time modulation (B, n, D) or per-token (B, S, n, D), in fp32, split into n
+    tensors that broadcast against (B, S, D): each (B, 1, D) or (B, S, D)."""
+    mod = table.float() + modulation.float()
+    if mod.ndim == 3:
+        return [m.unsqueeze(1) for m in mod.unbind(1)]
+    return list(mod.unbind(2))
+
+
+class WanBlock(nn.Module):
+    """adaLN-modulated self-attention, plain cross-attention to the text, adaLN-modulated FFN."""
+
+    def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
+        super().__init__()
+        dim = config.hidden_size
+        self.attn1 = WanAttention(config, backend)
+        self.attn2 = WanAttention(config, backend)
+        eps, dtype = config.layernorm_epsilon, config.params_dtype
+        self.norm1 = LayerNorm(dim, eps)
+        self.norm2 = nn.Identity()
+        if config.cross_attn_norm:
+            self.norm2 = LayerNorm(dim, eps, elementwise_affine=True, dtype=dtype)
+        self.norm3 = LayerNorm(dim, eps)
+        self.ffn = WanFeedForward(config, backend)
+        self.scale_shift_table = modulation_table(6, dim, dtype)
+
+    def forward(
+        self, hidden_states: torch.Tensor, context: torch.Tensor, modulation: torch.Tensor, rope: RopeTables
+    ) -> torch.Tensor:
+        """``hidden_states`` (B, S, D), ``context`` (B, L, D), ``modulation`` (B[, S], 6, D) -> (B, S, D)."""
+        shift, scale, gate, c_shift, c_scale, c_gate = split_modulation(self.scale_shift_table, modulation)
+        h = hidden_states
+        # Residual adds and modulations run in fp32, the sublayers in the model dtype (as the reference).
+        x = (self.norm1(h.float()) * (1 + scale) + shift).type_as(h)
+        h = (h.float() + self.attn1(x, rope=rope) * gate).type_as(h)
+        h = h + self.attn2(self.norm2(h.float()).type_as(h), context=context)
+        x = (self.norm3(h.float()) * (1 + c_scale) + c_shift).type_as(h)
+        return (h.float() + self.ffn(x).float() * c_gate).type_as(h)

@@ -1,0 +1,138 @@
+"""The Wan2.1 / Wan2.2-TI2V text-to-video transformer (diffusers ``WanTransformer3DModel``) on megatron-core.
+
+``WanModel(config, backend=...)`` builds every linear through the backend provider (local megatron-core
+tensor-parallel layers or Transformer Engine), so one set of parameter names serves both backends and the
+converter. The forward takes diffusers' keyword arguments and returns the velocity tensor itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from leangrpo_mcore.models.backends import get_backend
+from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
+from leangrpo_mcore.models.common.norms import LayerNorm
+from leangrpo_mcore.models.common.tp import full_shape
+from leangrpo_mcore.models.wan.config import WanConfig
+from leangrpo_mcore.models.wan.layers import (
+    WanBlock,
+    WanConditionEmbedder,
+    modulation_table,
+    rope_tables,
+    split_modulation,
+)
+
+
+class WanModel(nn.Module):
+    """Wan T2V diffusion transformer: patchify -> N blocks -> modulated output norm -> projection -> unpatchify."""
+
+    def __init__(self, config: WanConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        if not isinstance(config, WanConfig):
+            raise ValueError(f"WanModel needs a WanConfig, got {type(config).__name__}")
+        self.config = config
+        provider = get_backend(backend)
+        dim, patch_numel = config.hidden_size, math.prod(config.patch_size)
+        # A stride-equals-kernel Conv3d is a linear map on flattened (C, pt, ph, pw) patches.
+        self.patch_embedding = provider.replicated_linear(config.in_channels * patch_numel, dim, config=config)
+        self.condition_embedder = WanConditionEmbedder(config, provider)
+        # Named ``layers`` (megatron style) so that ``blocks()`` can be the contract's accessor.
+        self.layers = nn.ModuleList(WanBlock(config, provider) for _ in range(config.num_layers))
+        self.norm_out = LayerNorm(dim, config.layernorm_epsilon)
+        self.proj_out = provider.replicated_linear(dim, config.out_channels * patch_numel, config=config)
+        self.scale_shift_table = modulation_table(2, dim, config.params_dtype)
+        if provider.name == "te":
+            # TE allocates its layers on the GPU; bring the torch-native parameters (tables, norms) along.
+            self.to(torch.cuda.current_device())
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the residual stream."""
+        return self.config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        """Number of transformer blocks."""
+        return self.config.num_layers
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks in order (the units of per-block FSDP and activation checkpointing)."""
+        return list(self.layers)
+
+    def num_parameters(self, *, trainable_only: bool = False) -> int:
+        """Parameter count of the FULL model (tensor-parallel shards counted at their unsharded size)."""
+        return sum(full_shape(p).numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
+    def tokens_for(self, height: int, width: int, frames: int = 1) -> int:
+        """Video tokens of a ``frames`` x ``height`` x ``width`` pixel video (VAE compression, then patches).
+
+        Like the Wan pipelines, ``frames`` must be 1 + a multiple of the VAE's temporal factor and the sides
+        multiples of the VAE's spatial factor times the patch.
+        """
+        c = self.config
+        (pt, ph, pw), spatial, temporal = c.patch_size, c.vae_scale_factor_spatial, c.vae_scale_factor_temporal
+        if min(height, width, frames) < 1 or (frames - 1) % temporal:
+            raise ValueError(f"Wan frames must be 1 + a multiple of {temporal}, got {frames}")
+        side_h, side_w = spatial * ph, spatial * pw
+        if height % side_h or width % side_w:
+            raise ValueError(f"Wan height/width must be multiples of {side_h}/{side_w}, got {height}x{width}")
+        latent_frames = (frames - 1) // temporal + 1
+        if latent_frames % pt:
+            raise ValueError(f"{latent_frames} latent frames are not divisible by the temporal patch {pt}")
+        return (latent_frames // pt) * (height // side_h) * (width // side_w)
+
+    def _patch_grid(self, shape: torch.Size) -> tuple[int, int, int]:
+        if len(shape) != 5 or shape[1] != self.config.in_channels:
+            raise ValueError(
+                f"Wan hidden_states must be (B, {self.config.in_channels}, F, H, W), got {tuple(shape)}"
+            )
+        dims = shape[2:]
+        if any(d % p for d, p in zip(dims, self.config.patch_size)):
+            raise ValueError(f"Wan latent size {tuple(dims)} is not divisible by patch_size {self.config.patch_size}")
+        return tuple(d // p for d, p in zip(dims, self.config.patch_size))
+
+    def _patchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        # (B, C, f*pt, h*ph, w*pw) -> (B, f*h*w, C*pt*ph*pw), features ordered (C, pt, ph, pw) like the kernel.
+        (b, c), (f, h, w), (pt, ph, pw) = x.shape[:2], grid, self.config.patch_size
+        x = x.reshape(b, c, f, pt, h, ph, w, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+        return x.reshape(b, f * h * w, c * pt * ph * pw)
+
+    def _unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        (f, h, w), (pt, ph, pw) = grid, self.config.patch_size
+        x = x.reshape(x.shape[0], f, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(x.shape[0], x.shape[1], f * pt, h * ph, w * pw)
+
+    def _check_timestep(self, timestep: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        if timestep.ndim == 0:
+            return timestep.expand(batch)
+        if timestep.shape == (batch,) or timestep.shape == (batch, seq):
+            return timestep
+        raise ValueError(
+            f"Wan timestep must be (), ({batch},) or per-token ({batch}, {seq}), got {tuple(timestep.shape)}"
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        """Velocity (B, C_out, F, H, W) for latents ``hidden_states`` (B, C, F, H, W) at ``timestep`` (B,)
+        (or per-token (B, S), as Wan2.2-TI2V) given text states ``encoder_hidden_states`` (B, L, text_dim).
+        """
+        grid = self._patch_grid(hidden_states.shape)
+        if encoder_hidden_states.ndim != 3 or encoder_hidden_states.shape[-1] != self.config.text_dim:
+            shape = tuple(encoder_hidden_states.shape)
+            raise ValueError(f"Wan encoder_hidden_states must be (B, L, {self.config.text_dim}), got {shape}")
+        batch, seq = hidden_states.shape[0], math.prod(grid)
+        timestep = self._check_timestep(timestep, batch, seq)
+        rope = rope_tables(self.config, grid, hidden_states.device)
+        h = self.patch_embedding(self._patchify(hidden_states, grid))
+        temb, modulation, context = self.condition_embedder(timestep, encoder_hidden_states)
+        for block in self.layers:
+            h = maybe_checkpoint(block, h, context, modulation, rope, enabled=self.config.activation_checkpointing)
+        shift, scale = split_modulation(self.scale_shift_table, temb.unsqueeze(-2))
+        h = (self.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
+        return self._unpatchify(self.proj_out(h), grid)
+
+
