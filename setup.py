@@ -37,7 +37,7 @@ setup(
         "dali": ["nvidia-dali-cuda120"],
         "ocr": ["rapidocr-onnxruntime"],
         "text": ["transformers"],
-        "test": ["pytest>=7", "pytest-timeout", "transformers"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers", "accelerate"],
     },
     entry_points={
         "console_scripts": [

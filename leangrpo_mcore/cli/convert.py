@@ -127,9 +127,12 @@ def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite
                                       config=config.to_diffusers_config(), tensors=converted)
     if adapters and keep_lora:
         peft = {}
+        rename = family.name_to_diffusers or (lambda name: name)
         for host, (a, b) in adapters.items():
-            if f"{host}.weight" not in converted:
+            weight = rename(f"{host}.weight")
+            if weight not in converted:
                 raise UserError(f"cannot name the adapter of {host} in diffusers terms (--keep-lora)")
+            host = weight[: -len(".weight")]
             peft[f"transformer.{host}.lora_A.weight"] = a
             peft[f"transformer.{host}.lora_B.weight"] = (b.float() * scaling).to(b.dtype)
         ckpt.save_safetensors(peft, folder / LORA_FILE, metadata={"format": "pt"})

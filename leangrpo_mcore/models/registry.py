@@ -42,6 +42,8 @@ class ModelFamily:
     """Named diffusers-style configs (e.g. "flux-dev", "wan2.1-1.3b", tiny test sizes)."""
     lora_targets: tuple[str, ...] = ()
     """Default LoRA target suffixes for this family (FlowGRPO's choice)."""
+    name_to_diffusers: Optional[Callable[[str], str]] = None
+    """Our parameter name -> diffusers' (None: the names are the same), used to name exported adapters."""
 
 
 def get_family(name: str) -> ModelFamily:
@@ -85,8 +87,11 @@ def family_for_config(config: Any) -> ModelFamily:
     raise ValueError(f"{type(config).__name__} is not the config of a known model family")
 
 
-def _preset(name: str) -> tuple[ModelFamily, dict]:
-    hits = [(family, family.presets[name]) for family in available_families() if name in family.presets]
+def _preset(name: str, family_name: str | None = None) -> tuple[ModelFamily, dict]:
+    """A preset by name; with ``family_name`` only that family's (``tiny`` also finds ``<family>-tiny``)."""
+    families = [get_family(family_name)] if family_name is not None else available_families()
+    hits = [(family, family.presets[key]) for family in families
+            for key in (name, f"{family.name}-{name}") if key in family.presets]
     if not hits:
         known = sorted(p for family in available_families() for p in family.presets)
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(known)}")
@@ -109,7 +114,7 @@ def resolve_model_config(model_config: Union[str, Mapping, Any]) -> tuple[ModelF
         checkpointing = data.pop("activation_checkpointing", None)
         fp8_recipe = data.pop("fp8", None)
         if preset is not None:
-            family, hyper = _preset(preset)
+            family, hyper = _preset(preset, family_name)
             if family_name is not None and family_name != family.name:
                 raise ValueError(f"preset {preset!r} belongs to family {family.name!r}, not {family_name!r}")
             data = {**hyper, **data}

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -41,7 +43,9 @@ def _worker(fn, rank, world_size, port, args, results) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle copies tensor data; the queue's own pickler would pass shared-memory handles that
+        # vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -62,8 +66,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         proc.start()
     outputs: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(outputs) + len(errors) < world_size:
@@ -79,7 +81,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     errors.update({r: f"rank {r} died with exit code {procs[r].exitcode}" for r in dead})
                 continue
             if status == "ok":
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
             else:
                 errors[rank] = payload
                 break  # the other ranks may now block in a collective: do not wait for them

@@ -122,3 +122,19 @@ def test_merged_export_loads_in_diffusers_and_keep_lora_exports_peft_weights(tmp
     assert torch.equal(base["transformer_blocks.0.attn.to_q.weight"], host.weight)
     b = adapters["transformer.transformer_blocks.0.attn.to_q.lora_B.weight"]
     assert torch.allclose(b, host.lora_B.weight * 2.0)  # alpha / rank = 8 / 4 folded into B
+
+
+def test_wan_keep_lora_names_adapters_in_diffusers_terms(tmp_path):
+    wan = get_family("wan")
+    model = build_policy({"family": "wan", "preset": "tiny"})
+    hosts = apply_lora(model, LoRAConfig(rank=2, alpha=4.0, targets=wan.lora_targets), seed=0)
+    save_policy(model, tmp_path / "ours")
+    assert convert_main(["mcore-to-diffusers", "--src", str(tmp_path / "ours"), "--dst", str(tmp_path / "kept"),
+                         "--keep-lora"]) == 0
+    base = load_file(str(tmp_path / "kept" / "diffusion_pytorch_model.safetensors"))
+    adapters = load_file(str(tmp_path / "kept" / "pytorch_lora_weights.safetensors"))
+    assert len(adapters) == 2 * len(hosts)
+    for key in adapters:  # every adapter sits on a diffusers weight name (blocks.N..., to_out.0)
+        host = key[len("transformer."):].rsplit(".lora_", 1)[0]
+        assert f"{host}.weight" in base, key
+    assert "transformer.blocks.0.attn1.to_out.0.lora_A.weight" in adapters
