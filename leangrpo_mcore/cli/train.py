@@ -1,4 +1,9 @@
-"""`leangrpo-train`: Train a diffusion policy with GRPO (Native, Retain or Reweight schedule)."""
+"""`leangrpo-train`: Train a diffusion policy with GRPO (Native, Retain or Reweight schedule).
+
+``leangrpo-train --config FILE [dotted.key=value ...]`` runs one process; under
+``torchrun --nproc-per-node N -m leangrpo_mcore.train --config FILE ...`` every rank runs the same command.
+Bad input ends with a one-line ``error: ...`` and exit code 2 on every rank.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +11,37 @@ import argparse
 import sys
 from typing import Sequence
 
-from leangrpo_mcore.cli.common import not_implemented, run_main
+from leangrpo_mcore.cli.common import run_main
 from leangrpo_mcore.config import load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="leangrpo-train", description="Train a diffusion policy with GRPO (Native, Retain or Reweight schedule).")
-    parser.add_argument("--config", help="YAML experiment config")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    """The command-line parser of ``leangrpo-train``."""
+    parser = argparse.ArgumentParser(
+        prog="leangrpo-train",
+        description="Train a diffusion policy with GRPO (Native, Retain or Reweight schedule).",
+        epilog="Multi-GPU / multi-node: torchrun --nproc-per-node N [--nnodes ...] -m leangrpo_mcore.train "
+               "--config FILE [overrides]. Set LEANGRPO_TRACEBACK=1 to see the traceback of an input error.",
+    )
+    parser.add_argument("--config", help="YAML experiment config (see yaml_configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
     return parser
 
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    if args.config is not None or args.overrides:
-        load_config(args.config, args.overrides)
-    return not_implemented("leangrpo-train", 5)
+    config = load_config(args.config, args.overrides)
+    from leangrpo_mcore.engine.launch import quiet_nonzero_ranks
+
+    quiet_nonzero_ranks()
+    from leangrpo_mcore.engine.trainer import train
+
+    train(config)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``leangrpo-train`` and ``python -m leangrpo_mcore.train``; returns the exit code."""
     return run_main(_main, argv)
 
 

@@ -105,11 +105,8 @@ class LoRAConfig:
     """Adapter rank; 0 means a full fine-tune."""
     alpha: float = option(1.0, gt=0.0)
     """Adapter scale numerator: the update is (alpha / rank) * B A."""
-    targets: list[str] = option(
-        factory=lambda: ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
-                         "to_add_out", "ff", "ff_context"]
-    )
-    """Module-name suffixes that receive adapters (FlowGRPO's FLUX set by default)."""
+    targets: Optional[list[str]] = None
+    """Module-name suffixes that receive adapters; null = the family's default set (FlowGRPO's for FLUX)."""
 
 
 @dataclass
@@ -244,6 +241,8 @@ class LoggingConfig:
     """Write TensorBoard event files under output_dir/tensorboard."""
     progress_bar: bool = True
     """Show a progress bar on rank 0."""
+    measure_memory: Optional[bool] = None
+    """Measure each step's peak tensor memory (null: on CUDA only; on CPU the meter slows the step down)."""
 
 
 @dataclass

@@ -1,0 +1,224 @@
+"""The rollout loop: drive a velocity function through T denoising steps and record a :class:`Trajectory`.
+
+The schedule decides, per step, whether the forward runs with gradients (``grad_steps``); the sampler
+hands every step to an ``on_step`` callback as a :class:`StepRecord`, whose ``sde`` carries the graph of
+that step when gradients were on (Retain keeps it, Reweight backpropagates it at once, Native never asks
+for one). The latent is detached between steps, so no gradient flows along the trajectory
+(ALGORITHMS.md §6), and every stored tensor is float32 (§7): the update evaluates log p at exactly the
+x_{t+1} drawn here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ContextManager
+
+import torch
+
+from leangrpo_mcore.diffusion.sde import SDEStep, ode_step, sde_step, transition_std
+from leangrpo_mcore.diffusion.seeding import step_generators
+from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
+from leangrpo_mcore.diffusion.velocity import VelocityFn
+
+
+@dataclass(frozen=True)
+class SDEParams:
+    """The SDE variant of a run and its schedule constants (ALGORITHMS.md §2)."""
+
+    kind: str
+    """One of ``SDE_KINDS``."""
+    noise_level: float
+    """FlowGRPO's a, or DanceGRPO's η."""
+    sigma_max: float
+    """σ_1 of the schedule (flow_grpo's σ = 1 substitute, Wan's σ_max)."""
+    sigma_min: float
+    """The schedule's last sigma (Wan's σ_min)."""
+
+    @classmethod
+    def from_sigmas(cls, kind: str, noise_level: float, sigmas: torch.Tensor) -> SDEParams:
+        """Constants read off a (T+1,) schedule or the first row of a (B, T+1) one."""
+        row = sigmas if sigmas.ndim == 1 else sigmas[0]
+        if row.numel() < 2:
+            raise ValueError("a sigma schedule needs at least two entries")
+        return cls(kind=kind, noise_level=float(noise_level), sigma_max=float(row[1]), sigma_min=float(row[-1]))
+
+    def step(self, velocity: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+             *, prev_sample: torch.Tensor | None = None, generators: list[torch.Generator] | None = None) -> SDEStep:
+        """One SDE step (draw with ``generators`` or score ``prev_sample``)."""
+        return sde_step(self.kind, velocity, latents, sigma, sigma_next, noise_level=self.noise_level,
+                        prev_sample=prev_sample, generator=generators, sigma_max=self.sigma_max,
+                        sigma_min=self.sigma_min)
+
+    def std_t(self, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+        """(B,) std_t of the step (the FlowGRPO KL's denominator, without sqrt(−dt))."""
+        return transition_std(self.kind, sigma, sigma_next, self.noise_level, self.sigma_max, self.sigma_min).std_t
+
+
+@dataclass
+class StepRecord:
+    """What the callback sees of denoising step ``t`` of a micro-batch."""
+
+    t: int
+    """Step index."""
+    latents: torch.Tensor
+    """(B, *shape) float32 x_t (detached)."""
+    next_latents: torch.Tensor
+    """(B, *shape) float32 x_{t+1} (detached)."""
+    sigma: torch.Tensor
+    """(B,) σ_t."""
+    sigma_next: torch.Tensor
+    """(B,) σ_{t+1}."""
+    sde: SDEStep | None
+    """The SDE step (log_prob and mean carry the graph when ``grad`` is True); None for an all-ODE step."""
+    train: torch.Tensor
+    """(B,) bool: the samples that train this step."""
+    grad: bool
+    """Whether this step's forward ran with gradients."""
+
+
+StepCallback = Callable[[StepRecord], None]
+
+
+def _as_batch_sigmas(sigmas: torch.Tensor, batch: int) -> torch.Tensor:
+    sigmas = sigmas.to(torch.float32)
+    if sigmas.ndim == 1:
+        return sigmas.unsqueeze(0).expand(batch, -1).contiguous()
+    if sigmas.ndim != 2 or sigmas.shape[0] != batch:
+        raise ValueError(f"sigmas must be (T+1,) or ({batch}, T+1), got {tuple(sigmas.shape)}")
+    return sigmas
+
+
+def _grad_mask(grad_steps: torch.Tensor | set[int] | None, selected: torch.Tensor) -> torch.Tensor:
+    if grad_steps is None:
+        return torch.zeros_like(selected)
+    if isinstance(grad_steps, torch.Tensor):
+        return grad_steps
+    mask = torch.zeros_like(selected)
+    for t in grad_steps:
+        if not 0 <= int(t) < selected.shape[1]:
+            raise ValueError(f"grad step {t} outside [0, {selected.shape[1]})")
+        mask[:, int(t)] = True
+    return mask
+
+
+def _check_masks(steps: int, batch: int, **masks: torch.Tensor) -> None:
+    for name, mask in masks.items():
+        if mask.shape != (batch, steps) or mask.dtype != torch.bool:
+            raise ValueError(f"{name} must be a ({batch}, {steps}) bool mask, got {mask.dtype} {tuple(mask.shape)}")
+
+
+def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                  sde_rows: torch.Tensor, sde: SDEParams, generators: list[torch.Generator]) -> SDEStep | None:
+    """SDE step for the rows in ``sde_rows``, ODE for the others; None when no row uses the SDE."""
+    if not bool(sde_rows.any()):
+        return None
+    out = sde.step(velocity, x, sigma, sigma_next, generators=generators)
+    if bool(sde_rows.all()):
+        return out
+    sde_rows = sde_rows.to(x.device)
+    ode = ode_step(velocity.detach(), x, sigma, sigma_next)
+    rows = sde_rows.view(-1, *([1] * (x.ndim - 1)))
+    zero = torch.zeros_like(out.log_prob)
+    return SDEStep(prev_sample=torch.where(rows, out.prev_sample, ode),
+                   log_prob=torch.where(sde_rows, out.log_prob, zero), mean=out.mean, std=out.std)
+
+
+def rollout(
+    velocity_fn: VelocityFn,
+    init_latents: torch.Tensor,
+    sigmas: torch.Tensor,
+    conditioning: Conditioning,
+    *,
+    sde: SDEParams,
+    selected: torch.Tensor,
+    sde_steps: torch.Tensor,
+    noise_seeds: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    generation_ids: torch.Tensor,
+    grad_steps: torch.Tensor | set[int] | None = None,
+    on_step: StepCallback | None = None,
+    forward_context: Callable[[bool], ContextManager] | None = None,
+) -> Trajectory:
+    """Sample B trajectories from ``init_latents`` (B, *shape) along ``sigmas`` ((T+1,) or (B, T+1)).
+
+    ``selected`` (B, T) marks the trained steps, ``sde_steps`` (B, T) the steps taken with the SDE (the
+    others are ODE steps with log-prob 0), ``noise_seeds`` (B, T) the seed of each step's SDE noise
+    (:func:`leangrpo_mcore.diffusion.seeding.sde_noise_seeds`). A step's forward runs with gradients when
+    any sample of the batch has it in ``grad_steps`` — a (B, T) bool mask or a set of step indices
+    for every sample (default: none, a pure no-grad rollout); the
+    callback then receives the step's graph. ``forward_context(grad)`` is entered around each forward
+    (e.g. FP8 scaling state; see :mod:`leangrpo_mcore.parallel.precision`). Returns the float32 :class:`Trajectory` (detached).
+    """
+    batch, steps = init_latents.shape[0], noise_seeds.shape[1]
+    grad_steps = _grad_mask(grad_steps, selected)
+    forward_context = forward_context or (lambda grad: contextlib.nullcontext())
+    _check_masks(steps, batch, selected=selected, sde_steps=sde_steps, grad_steps=grad_steps)
+    if bool((selected & ~sde_steps).any()):
+        raise ValueError("every selected step must be an SDE step (an ODE step has no log-density)")
+    batch_sigmas = _as_batch_sigmas(sigmas, batch).to(init_latents.device)
+    if batch_sigmas.shape[1] != steps + 1:
+        raise ValueError(f"sigmas have {batch_sigmas.shape[1]} entries for {steps} steps (need T+1)")
+    x = init_latents.detach().to(torch.float32)
+    xs, next_xs, log_probs = [], [], []
+    for t in range(steps):
+        sigma, sigma_next = batch_sigmas[:, t], batch_sigmas[:, t + 1]
+        grad = bool(grad_steps[:, t].any())
+        with torch.set_grad_enabled(grad), forward_context(grad):
+            velocity = velocity_fn(x, sigma, conditioning)
+            out = _denoise_step(velocity, x, sigma, sigma_next, sde_steps[:, t], sde,
+                                step_generators(noise_seeds, t))
+        if out is None:
+            prev, log_prob = ode_step(velocity.detach(), x, sigma, sigma_next), torch.zeros(batch, device=x.device)
+        else:
+            prev, log_prob = out.prev_sample.detach(), out.log_prob.detach()
+        xs.append(x)
+        next_xs.append(prev)
+        log_probs.append(log_prob.to(torch.float32))
+        if on_step is not None:
+            on_step(StepRecord(t=t, latents=x, next_latents=prev, sigma=sigma, sigma_next=sigma_next, sde=out,
+                               train=selected[:, t] & grad_steps[:, t], grad=grad))
+        del velocity, out
+        x = prev
+    return Trajectory(
+        latents=torch.stack(xs, dim=1), next_latents=torch.stack(next_xs, dim=1),
+        log_probs=torch.stack(log_probs, dim=1), sigmas=batch_sigmas, selected=selected.clone(),
+        prompt_ids=prompt_ids.to(torch.long), generation_ids=generation_ids.to(torch.long),
+        conditioning=conditioning, final_latents=x,
+    )
+
+
+@dataclass(frozen=True)
+class RolloutInputs:
+    """The seeded inputs of a micro-batch's rollout (everything random, drawn before the first forward)."""
+
+    init_latents: torch.Tensor
+    """(B, *shape) float32 initial noise."""
+    selected: torch.Tensor
+    """(B, T) bool trained steps."""
+    sde_steps: torch.Tensor
+    """(B, T) bool SDE steps."""
+    noise_seeds: torch.Tensor
+    """(B, T) int64 SDE-noise seeds."""
+
+
+def draw_rollout_inputs(*, base_seed: int, step: int, prompt_slots: list[int], generation_ids: list[int],
+                        latent_shape: tuple[int, ...], num_steps: int, selection: dict,
+                        same_latent: bool = False, device: torch.device | str = "cpu") -> RolloutInputs:
+    """Seed everything of B samples named by (prompt slot, generation) — independent of rank and schedule.
+
+    ``selection`` holds the keyword arguments of :func:`leangrpo_mcore.diffusion.selection.select_steps`
+    besides the sample names (method, fraction, window_size, window_range).
+    """
+    from leangrpo_mcore.diffusion.seeding import initial_noise, sde_noise_seeds
+    from leangrpo_mcore.diffusion.selection import select_steps
+
+    init = initial_noise(base_seed, step, prompt_slots, generation_ids, latent_shape, same_latent=same_latent,
+                         device=device)
+    picked = select_steps(selection["method"], num_steps=num_steps, fraction=selection["fraction"],
+                          base_seed=base_seed, step=step, prompt_slots=prompt_slots, generation_ids=generation_ids,
+                          window_size=selection.get("window_size", 0),
+                          window_range=selection.get("window_range", (0, 1)))
+    seeds = sde_noise_seeds(base_seed, step, prompt_slots, generation_ids, num_steps)
+    return RolloutInputs(init_latents=init, selected=picked.selected, sde_steps=picked.sde, noise_seeds=seeds)

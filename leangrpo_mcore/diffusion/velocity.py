@@ -1,0 +1,195 @@
+"""Calling a policy for the velocity of a batch of latents: FLUX (packed latents, RoPE ids, guidance
+embedding) and Wan (two-branch classifier-free guidance in one batch).
+
+A velocity function is ``fn(latents (B, *shape) float32, sigma (B,) float32, conditioning) -> (B, *shape)
+float32``. It converts sigmas to the timestep the policy's forward expects (the diffusers pipeline
+convention of :mod:`leangrpo_mcore.diffusion.sigmas`), casts the inputs to the policy's compute dtype and
+returns float32, so that the SDE math downstream always runs in float32. ``reference()`` is a context in
+which the policy runs with its LoRA adapters disabled: the KL reference of FlowGRPO.
+
+Sampler latents of FLUX are *packed* (B, (H/2)·(W/2), 4·C), exactly as FluxPipeline keeps them; use
+:func:`pack_flux_latents` / :func:`unpack_flux_latents` at the VAE boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Protocol
+
+import torch
+
+from leangrpo_mcore.diffusion.sigmas import SIGMA_KINDS, timesteps_from_sigmas, transformer_timestep
+from leangrpo_mcore.diffusion.trajectory import Conditioning
+
+
+class VelocityFn(Protocol):
+    """What the sampler and the schedules call."""
+
+    def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """(B, *shape) float32 velocity at per-sample ``sigma`` (B,)."""
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """Context in which calls evaluate the reference policy (adapters disabled)."""
+
+
+def pack_flux_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) VAE latents → (B, (H/2)·(W/2), 4·C) tokens of 2×2 patches (FluxPipeline's packing)."""
+    if latents.ndim != 4 or latents.shape[2] % 2 or latents.shape[3] % 2:
+        raise ValueError(f"FLUX latents must be (B, C, H, W) with even H and W, got {tuple(latents.shape)}")
+    b, c, h, w = latents.shape
+    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_flux_latents(packed: torch.Tensor, latent_height: int, latent_width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_flux_latents` for a (latent_height, latent_width) VAE latent grid."""
+    b, seq, dim = packed.shape
+    h, w = latent_height // 2, latent_width // 2
+    if seq != h * w or dim % 4:
+        raise ValueError(f"packed latents {tuple(packed.shape)} do not fit a {latent_height}x{latent_width} grid")
+    patches = packed.view(b, h, w, dim // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, dim // 4, latent_height, latent_width)
+
+
+def flux_image_ids(latent_height: int, latent_width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(S, 3) RoPE positions of the packed image tokens: (0, row, col), as FluxPipeline builds them."""
+    rows = torch.arange(latent_height // 2, dtype=torch.float32, device=device)
+    cols = torch.arange(latent_width // 2, dtype=torch.float32, device=device)
+    ids = torch.zeros(latent_height // 2, latent_width // 2, 3, device=device)
+    ids[..., 1] = rows[:, None]
+    ids[..., 2] = cols[None, :]
+    return ids.reshape(-1, 3)
+
+
+def _policy_dtype(policy: torch.nn.Module) -> torch.dtype:
+    for param in policy.parameters():
+        return param.dtype
+    return torch.float32
+
+
+def _check_sigma(latents: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
+    if sigma.shape != (latents.shape[0],):
+        raise ValueError(f"sigma must be per-sample ({latents.shape[0]},), got {tuple(sigma.shape)}")
+    return sigma
+
+
+class _PolicyVelocity:
+    """Shared plumbing: timestep conversion, dtype, reference context."""
+
+    family = ""
+
+    def __init__(self, policy: torch.nn.Module, *, sigma_kind: str, compute_dtype: torch.dtype | None = None):
+        if sigma_kind not in SIGMA_KINDS:
+            raise ValueError(f"unknown sigma schedule {sigma_kind!r}; valid: {', '.join(SIGMA_KINDS)}")
+        self.policy = policy
+        self.sigma_kind = sigma_kind
+        self.compute_dtype = compute_dtype or _policy_dtype(policy)
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The (B,) timestep the policy's forward receives for per-sample ``sigma``."""
+        scheduler_t = timesteps_from_sigmas(sigma, self.sigma_kind)
+        return transformer_timestep(scheduler_t, self.family, dtype=self.compute_dtype)
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Evaluate the reference policy: the same weights with every LoRA adapter disabled."""
+        from leangrpo_mcore.models.common.lora import disable_adapters, iter_lora_hosts
+
+        if next(iter_lora_hosts(self.policy), None) is None:
+            raise ValueError("the KL reference is the policy without its LoRA adapters; this policy has none")
+        with disable_adapters(self.policy):
+            yield
+
+
+class FluxVelocity(_PolicyVelocity):
+    """Velocity of a FLUX policy on packed latents of a (latent_height, latent_width) VAE grid.
+
+    The guidance embedding receives ``conditioning.guidance`` (B,) when present (FLUX.1-dev: 3.5); FLUX is
+    guidance-distilled, so two-branch CFG is not offered here.
+    """
+
+    family = "flux"
+
+    def __init__(self, policy: torch.nn.Module, *, latent_height: int, latent_width: int, sigma_kind: str = "flux",
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__(policy, sigma_kind=sigma_kind, compute_dtype=compute_dtype)
+        self.latent_height, self.latent_width = latent_height, latent_width
+
+    def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """(B, S, 4·C) float32 velocity of packed ``latents`` (B, S, 4·C)."""
+        sigma = _check_sigma(latents, sigma)
+        if conditioning.negative_encoder_hidden_states is not None:
+            raise ValueError("FLUX uses the guidance embedding; negative prompts (two-branch CFG) are not supported")
+        if conditioning.pooled_projections is None:
+            raise ValueError("FLUX needs conditioning.pooled_projections")
+        device, dtype = latents.device, self.compute_dtype
+        guidance = conditioning.guidance
+        out = self.policy(
+            hidden_states=latents.to(dtype),
+            encoder_hidden_states=conditioning.encoder_hidden_states.to(dtype),
+            pooled_projections=conditioning.pooled_projections.to(dtype),
+            timestep=self.timestep(sigma),
+            img_ids=flux_image_ids(self.latent_height, self.latent_width, device),
+            txt_ids=torch.zeros(conditioning.encoder_hidden_states.shape[1], 3, device=device),
+            guidance=None if guidance is None else guidance.to(torch.float32),
+        )
+        return out.to(torch.float32)
+
+
+class WanVelocity(_PolicyVelocity):
+    """Velocity of a Wan policy on (B, C, F, H, W) latents, with two-branch CFG when ``cfg_scale > 1``.
+
+    The unconditional (``conditioning.negative_encoder_hidden_states``) and conditional branches run as
+    one batch [uncond; cond] — one forward, one graph — and are combined in float32 as
+    v = v_u + s·(v_c − v_u), the diffusers Wan pipeline's formula.
+    """
+
+    family = "wan"
+
+    def __init__(self, policy: torch.nn.Module, *, sigma_kind: str = "wan", cfg_scale: float = 1.0,
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__(policy, sigma_kind=sigma_kind, compute_dtype=compute_dtype)
+        if cfg_scale < 1.0:
+            raise ValueError(f"cfg_scale must be >= 1 (1 disables CFG), got {cfg_scale}")
+        self.cfg_scale = float(cfg_scale)
+
+    def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """(B, C, F, H, W) float32 velocity."""
+        sigma = _check_sigma(latents, sigma)
+        dtype = self.compute_dtype
+        context = conditioning.encoder_hidden_states.to(dtype)
+        timestep = self.timestep(sigma)
+        if self.cfg_scale == 1.0:
+            out = self.policy(hidden_states=latents.to(dtype), timestep=timestep, encoder_hidden_states=context)
+            return out.to(torch.float32)
+        negative = conditioning.negative_encoder_hidden_states
+        if negative is None:
+            raise ValueError(f"cfg_scale {self.cfg_scale} needs conditioning.negative_encoder_hidden_states")
+        batch = latents.to(dtype)
+        out = self.policy(
+            hidden_states=torch.cat([batch, batch]),
+            timestep=torch.cat([timestep, timestep]),
+            encoder_hidden_states=torch.cat([negative.to(dtype), context]),
+        )
+        uncond, cond = out.to(torch.float32).chunk(2)
+        return uncond + self.cfg_scale * (cond - uncond)
+
+
+def build_velocity_fn(
+    family: str,
+    policy: torch.nn.Module,
+    *,
+    sigma_kind: str,
+    latent_height: int = 0,
+    latent_width: int = 0,
+    cfg_scale: float = 1.0,
+) -> FluxVelocity | WanVelocity:
+    """The velocity function of a ``flux`` or ``wan`` policy (latent grid sizes are FLUX's VAE latent grid)."""
+    if family == "flux":
+        if cfg_scale != 1.0:
+            raise ValueError("FLUX uses the guidance embedding; set sampler.cfg_scale to 1")
+        return FluxVelocity(policy, latent_height=latent_height, latent_width=latent_width, sigma_kind=sigma_kind)
+    if family == "wan":
+        return WanVelocity(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale)
+    raise ValueError(f"unknown policy family {family!r}; valid: flux, wan")

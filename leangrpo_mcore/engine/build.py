@@ -1,0 +1,226 @@
+"""Build every component of a run from its :class:`~leangrpo_mcore.config.schema.Config`.
+
+Order matters and is fixed by the trainer: megatron TP groups and the data-parallel mesh first (the policy is
+built TP-sliced); then everything that can reject bad input cheaply, read from the config and the checkpoint's
+metadata without loading weights (layout, paths, the data side: prompts, text conditioning, VAE, reward); then
+the policy, LoRA, the record of TP attributes (FSDP2 drops them), FSDP2, the optimizer and its LR schedule; last
+the step engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from leangrpo_mcore.config.schema import Config, LoRAConfig as LoRASection
+from leangrpo_mcore.data.conditioning import TextDims, TextEncoder, build_text_encoder
+from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
+from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
+from leangrpo_mcore.diffusion.sigmas import get_sigmas
+from leangrpo_mcore.diffusion.velocity import build_velocity_fn
+from leangrpo_mcore.engine.checkpoint import TPLayout, capture_tp_layout
+from leangrpo_mcore.engine.launch import DistContext
+from leangrpo_mcore.engine.optim import build_lr_scheduler, build_optimizer, trainable_parameters
+from leangrpo_mcore.engine.step import RewardFn, StepEngine, StepPlan
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.models import LoRAConfig, apply_lora, build_policy, get_family, load_policy
+from leangrpo_mcore.models import mark_only_lora_trainable, resolve_model_config
+from leangrpo_mcore.models.common import checkpoint as ckpt
+from leangrpo_mcore.models.registry import ModelFamily, family_for_diffusers_class
+from leangrpo_mcore.parallel.groups import check_layout
+from leangrpo_mcore.parallel.fsdp import apply_fsdp
+from leangrpo_mcore.parallel.mesh import Layout, ParallelContext, build_parallel_context
+from leangrpo_mcore.parallel.precision import fp8_precision, null_precision, torch_dtype
+from leangrpo_mcore.rl.rewards import ValidatedReward, build_reward
+
+HASHED_TEXT_LENGTH = 16
+"""Token count of the hashed text embedder: prompts are short and the tiny CPU policies attend over every
+text token, so the T5 length of 512 would only add padding."""
+
+
+@dataclass
+class PolicyParts:
+    """The trained policy and what checkpoints need to know about it."""
+
+    policy: torch.nn.Module
+    family: ModelFamily
+    tp_layout: TPLayout
+    """TP attributes of every parameter, recorded before FSDP2 wrapping."""
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    ema: Optional[dict[str, torch.Tensor]]
+    """fp32 EMA shadow per trainable parameter name (same sharding as the parameter), or None."""
+
+
+@dataclass
+class DataParts:
+    """Prompts, conditioning, decoding and reward."""
+
+    dataset: PromptDataset
+    sampler: PromptSampler
+    text_encoder: TextEncoder
+    decoder: LatentDecoder
+    reward: ValidatedReward
+
+
+def resolve_plan(config: Config, world_size: int, logger: logging.Logger) -> Config:
+    """``config`` itself, or for ``schedule.name: auto`` a copy with the layout planner's schedule and (where the
+    config says ``auto``) its data-parallel degrees; the plan is logged."""
+    if config.schedule.name != "auto":
+        return config
+    from leangrpo_mcore.parallel.layout import plan_for_config
+
+    memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+    plan = plan_for_config(config, world_size, gpu_mem_gb=memory_gb)
+    chosen = plan.chosen.layout
+    par = config.parallel
+    parallel = dataclasses.replace(
+        par, dp_shard=chosen.dp_shard if par.dp_shard == "auto" else par.dp_shard,
+        dp_replicate=chosen.dp_replicate if par.dp_replicate == "auto" else par.dp_replicate)
+    logger.info("planner (schedule.name=auto): %s", plan.reason)
+    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, name=plan.schedule),
+                               parallel=parallel)
+
+
+def build_context(config: Config, dist_ctx: DistContext) -> ParallelContext:
+    """Megatron TP groups + the data-parallel DeviceMesh for the live world size."""
+    return build_parallel_context(Layout.from_config(config.parallel), dist_ctx.device)
+
+
+def policy_hyper(config: Config) -> tuple[ModelFamily, dict]:
+    """The policy's family and diffusers-style hyper-parameters, read without building or loading any weights."""
+    m = config.model
+    if m.path is not None:
+        if not os.path.isdir(m.path):
+            raise UserError(f"model.path: no such directory: {m.path}")
+        if ckpt.is_policy_checkpoint(m.path):
+            meta, _ = ckpt.read_policy_checkpoint(m.path)
+            family, hyper = get_family(meta["family"]), dict(meta["config"])
+        else:
+            hyper, _ = ckpt.read_diffusers_dir(m.path)
+            family = family_for_diffusers_class(str(hyper.get("_class_name")))
+        if family.name != m.family:
+            raise UserError(f"model.path {m.path} holds a {family.name} policy, but model.family is {m.family}")
+        return family, family.config_cls.from_diffusers_config(hyper).to_diffusers_config()
+    if m.preset is None:
+        raise UserError("model: set model.path (a checkpoint) or model.preset (random init)")
+    family, model_config = resolve_model_config({"family": m.family, "preset": m.preset, **m.arch})
+    return family, model_config.to_diffusers_config()
+
+
+def lora_record(config: Config, family: ModelFamily) -> Optional[dict]:
+    """The adapters the run trains (``LoRAConfig.to_dict()``), or None for a full fine-tune."""
+    if config.model.lora.rank > 0:
+        return _lora_section(config.model.lora, family).to_dict()
+    path = config.model.path
+    if path is not None and ckpt.is_policy_checkpoint(path):
+        return ckpt.read_policy_checkpoint(path)[0].get("lora")
+    return None
+
+
+def check_layout_early(config: Config, pctx: ParallelContext) -> None:
+    """The prompt-group layout must split evenly over the data-parallel ranks (checked before any heavy work)."""
+    g = config.grpo
+    check_layout(config.parallel.layout, pctx.dp_size, g.group_size, g.prompts_per_step)
+
+
+def _lora_section(section: LoRASection, family: ModelFamily) -> LoRAConfig:
+    targets = tuple(section.targets) if section.targets is not None else tuple(family.lora_targets)
+    return LoRAConfig(rank=section.rank, alpha=section.alpha, targets=targets)
+
+
+def _make_policy(config: Config) -> tuple[torch.nn.Module, ModelFamily]:
+    m = config.model
+    dtype = torch_dtype(m.dtype)
+    if m.path is not None:
+        policy = load_policy(m.path, backend=m.backend, dtype=dtype)
+        if m.activation_checkpointing:
+            policy.config.activation_checkpointing = True
+        return policy, get_family(m.family)
+    spec = {"family": m.family, "preset": m.preset, **m.arch,
+            "activation_checkpointing": m.activation_checkpointing, "fp8": m.fp8}
+    return build_policy(spec, seed=m.seed, backend=m.backend, dtype=dtype), get_family(m.family)
+
+
+def build_policy_parts(config: Config, pctx: ParallelContext) -> PolicyParts:
+    """Policy (+LoRA), TP layout record, FSDP2, optimizer, LR schedule and EMA shadows."""
+    policy, family = _make_policy(config)
+    lora = config.model.lora
+    if lora.rank > 0 and getattr(policy, "lora_config", None) is None:
+        apply_lora(policy, _lora_section(lora, family), seed=config.model.seed)
+    if getattr(policy, "lora_config", None) is not None:
+        mark_only_lora_trainable(policy)
+    policy.to(pctx.device)
+    tp_layout = capture_tp_layout(policy)
+    par = config.parallel
+    apply_fsdp(policy, pctx, param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype,
+               reshard_after_forward=par.reshard_after_forward)
+    params = trainable_parameters(policy)
+    optimizer = build_optimizer(params, config.optim)
+    scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps)
+    ema = None
+    if config.train.ema_decay > 0:
+        ema = {name: p.detach().clone().float() for name, p in policy.named_parameters() if p.requires_grad}
+    return PolicyParts(policy, family, tp_layout, optimizer, scheduler, ema)
+
+
+def _reward(config: Config) -> ValidatedReward:
+    from leangrpo_mcore.rl.rewards import remote  # noqa: F401 -- registers the 'remote' reward
+
+    r = config.reward
+    if r.name == "weighted":
+        if not r.weights:
+            raise UserError("reward.name=weighted needs reward.weights ({reward name: weight})")
+        return build_reward("weighted", weights=r.weights, normalize=r.normalize)
+    if r.name == "remote":
+        if not r.url:
+            raise UserError("reward.name=remote needs reward.url")
+        return build_reward("remote", url=r.url, timeout_s=r.timeout_s, retries=r.retries)
+    return build_reward(r.name)
+
+
+def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict, device: torch.device) -> DataParts:
+    """Prompt dataset and sampler, text encoder, VAE decoder and reward for a policy of ``diffusers_config``."""
+    m, s, fam = config.model, config.sampler, family.name
+    dataset = PromptDataset.from_source(config.data.prompts)
+    sampler = PromptSampler(len(dataset), config.grpo.prompts_per_step, seed=config.train.seed,
+                            shuffle=config.data.shuffle)
+    max_length = {"max_length": HASHED_TEXT_LENGTH} if m.text_encoder == "hashed" else {}
+    dims = TextDims.for_policy(fam, diffusers_config, **max_length)
+    guidance = s.guidance_scale if diffusers_config.get("guidance_embeds") else None
+    negative = "" if s.cfg_scale > 1.0 else None
+    text = build_text_encoder(m, fam, dims, negative_prompt=negative, guidance=guidance, seed=m.seed,
+                              device=device)
+    channels = latent_channels(family, diffusers_config)
+    decoder = build_vae(m.vae, fam, m.vae_path, seed=m.seed, latent_channels=channels, device=device)
+    return DataParts(dataset, sampler, text, decoder, _reward(config))
+
+
+def latent_channels(family: ModelFamily, diffusers_config: dict) -> int:
+    """VAE latent channels of a policy (FLUX packs 2x2 patches: in_channels = 4 C)."""
+    channels = int(diffusers_config["in_channels"])
+    return channels // 4 if family.name == "flux" else channels
+
+
+def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: ParallelContext,
+                 reward_fn: RewardFn) -> StepEngine:
+    """Sigma schedule, velocity function and the step engine of the configured schedule."""
+    s, fam = config.sampler, parts.family.name
+    hyper = parts.policy.config.to_diffusers_config()
+    shape = latent_shape(fam, s.height, s.width, s.frames, latent_channels(parts.family, hyper))
+    if s.sigma_schedule == "flux":
+        sigmas = get_sigmas("flux", s.num_steps, image_seq_len=shape[0])
+    else:
+        sigmas = get_sigmas(s.sigma_schedule, s.num_steps, shift=s.shift)
+    velocity = build_velocity_fn(fam, parts.policy, sigma_kind=s.sigma_schedule, latent_height=s.height // 8,
+                                 latent_width=s.width // 8, cfg_scale=s.cfg_scale)
+    plan = StepPlan.from_config(config, latent_shape=shape, sigmas=sigmas, schedule=schedule)
+    precision = fp8_precision(parts.policy) if config.model.fp8 else null_precision
+    return StepEngine(plan, policy=parts.policy, velocity_fn=velocity, ctx=pctx, optimizer=parts.optimizer,
+                      reward_fn=reward_fn, lr_scheduler=parts.lr_scheduler, precision=precision,
+                      measure_memory=config.logging.measure_memory)

@@ -1,0 +1,396 @@
+"""One training step: prompts → rollout → reward → gather → advantages → update → sync → clip → optimizer.
+
+Per prompt group held by this rank (``parallel.groups``) the rank rolls out its generations micro-batch by
+micro-batch, scores them (``reward_fn``), gathers the group's rewards among the ranks that share it,
+computes the advantages and lets the schedule produce the group's gradient right away (with global std
+the advantages, and so every group's update, wait for the whole step's rewards). Then the gradients are
+finished (reduced), clipped, and the optimizer steps.
+
+``grpo.updates_per_rollout = K`` splits the step's prompt groups into K consecutive blocks, one optimizer
+step each, the baselines' "K optimizer steps per rollout batch". Every block is rolled out before the first
+optimizer step; the first block is updated by the configured schedule (recompute-free for Retain and
+Reweight), the later ones by Native at the current parameters, since the rollout's graphs are stale by then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from leangrpo_mcore.config.schema import Config
+from leangrpo_mcore.diffusion.sampler import SDEParams, draw_rollout_inputs, rollout
+from leangrpo_mcore.diffusion.selection import check_selection, num_selected
+from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
+from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
+from leangrpo_mcore.parallel.grad_sync import GradSync
+from leangrpo_mcore.parallel.groups import (PromptShare, assign_samples, build_group_process_groups, check_layout,
+                                            gather_group_rewards, gather_step_rewards)
+from leangrpo_mcore.parallel.memory import MemoryMeter
+from leangrpo_mcore.parallel.mesh import ParallelContext
+from leangrpo_mcore.parallel.precision import ForwardPrecision, null_precision
+from leangrpo_mcore.rl.advantages import advantage_affine, clamp_would_fire, compute_advantages
+from leangrpo_mcore.schedules.base import (GroupUpdate, Objective, PhaseTimer, ScheduleContext, UpdateStats,
+                                           build_schedule, loss_weight)
+from leangrpo_mcore.schedules.reweight import ReweightPlan, plan_reweight
+
+RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``reward_fn(final_latents (B, *shape), prompt_ids (B,)) -> (B,)`` float rewards."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The resolved settings of a training step; :meth:`validate` refuses anything that cannot be exact."""
+
+    schedule: str
+    """Schedule of the first update: native, retain or reweight."""
+    group_size: int
+    """M, generations per prompt."""
+    prompts_per_step: int
+    """P, prompt groups per step over all ranks."""
+    latent_shape: tuple[int, ...]
+    """Shape of one sampler latent (FLUX: packed tokens × channels; Wan: C, F, H, W)."""
+    sigmas: torch.Tensor
+    """(T+1,) float32 sigma schedule."""
+    sde: SDEParams
+    """SDE variant and constants."""
+    objective: Objective
+    """Clip range and KL settings."""
+    selection: dict
+    """select_steps settings: method, fraction, window_size, window_range."""
+    advantage: str = "flow_grpo"
+    """Advantage estimator name."""
+    adv_clip_max: Optional[float] = 5.0
+    """Advantage clamp (None: none)."""
+    global_std: bool = False
+    """Normalise advantages by the std of the whole step's rewards."""
+    layout: str = "shared"
+    """Data-parallel layout of the samples (parallel.groups)."""
+    micro_batch: int = 1
+    """Samples per policy forward."""
+    updates_per_rollout: int = 1
+    """Optimizer steps per rollout (blocks of prompt groups)."""
+    sync: Optional[str] = None
+    """Gradient sync of Native/Retain: per_backward, coalesced, or None (Native per backward, Retain coalesced)."""
+    reweight_accumulate: str = "per_sample"
+    """Reweight's provisional-gradient accumulation: per_sample or affine."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+    seed: int = 0
+    """train.seed: every random draw derives from it."""
+    same_latent: bool = False
+    """Share the initial noise within a prompt group."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, latent_shape: tuple[int, ...], sigmas: torch.Tensor,
+                    schedule: Optional[str] = None) -> "StepPlan":
+        """From a :class:`Config` (``schedule`` overrides ``cfg.schedule.name``, e.g. after the planner)."""
+        s, g = cfg.sampler, cfg.grpo
+        window = s.sde_window_size
+        return cls(
+            schedule=schedule or cfg.schedule.name, group_size=g.group_size, prompts_per_step=g.prompts_per_step,
+            latent_shape=tuple(latent_shape), sigmas=sigmas.to(torch.float32),
+            sde=SDEParams.from_sigmas(s.sde_kind, s.noise_level, sigmas),
+            objective=Objective(clip_range=g.clip_range, kl_beta=g.kl_beta, kl_form=g.kl_form),
+            selection={"method": g.timestep_selection, "fraction": g.timestep_fraction, "window_size": window,
+                       "window_range": tuple(s.sde_window_range)},
+            advantage=g.advantage, adv_clip_max=g.adv_clip_max, global_std=g.global_std,
+            layout=cfg.parallel.layout, micro_batch=cfg.schedule.micro_batch,
+            updates_per_rollout=g.updates_per_rollout, sync="coalesced" if cfg.schedule.coalesce_sync else None,
+            reweight_accumulate=cfg.schedule.reweight_accumulate, max_grad_norm=cfg.optim.max_grad_norm,
+            seed=cfg.train.seed, same_latent=s.same_latent,
+        )
+
+    @property
+    def num_steps(self) -> int:
+        """T."""
+        return self.sigmas.numel() - 1
+
+    @property
+    def steps_per_sample(self) -> int:
+        """|S| (the same for every sample)."""
+        sel = self.selection
+        return num_selected(sel["method"], self.num_steps, sel["fraction"], sel.get("window_size", 0))
+
+    @property
+    def samples_per_update(self) -> int:
+        """Samples of one update over all ranks."""
+        return self.prompts_per_step // self.updates_per_rollout * self.group_size
+
+    def update_of(self, slot: int) -> int:
+        """Which optimizer step of the rollout trains prompt ``slot``."""
+        return slot * self.updates_per_rollout // self.prompts_per_step
+
+    def sync_mode(self) -> str:
+        """Sync of this step's updates: Reweight always coalesces (it must scale before reducing); Native
+        syncs per backward like the baselines and Retain once per update, unless ``sync`` says otherwise."""
+        if self.schedule == "reweight":
+            return "coalesced"
+        if self.sync is not None:
+            return self.sync
+        return "per_backward" if self.schedule == "native" else "coalesced"
+
+    def reweight_plan(self) -> ReweightPlan:
+        """The exact accumulation Reweight uses for these settings."""
+        return plan_reweight(self.reweight_accumulate, advantage=self.advantage, group_size=self.group_size,
+                             prompts_per_step=self.prompts_per_step, adv_clip_max=self.adv_clip_max,
+                             global_std=self.global_std)
+
+    def schedule_options(self, name: str) -> dict:
+        """Constructor options of schedule ``name``."""
+        return {"plan": self.reweight_plan()} if name == "reweight" else {}
+
+    def validate(self, ctx: ParallelContext, policy: torch.nn.Module) -> None:
+        """One-line ValueError for settings that are inconsistent or could not be computed exactly."""
+        sel = self.selection
+        if self.sync not in (None, "per_backward", "coalesced"):
+            raise ValueError(f"unknown gradient sync {self.sync!r}; valid: per_backward, coalesced")
+        if self.schedule == "auto":
+            raise ValueError("schedule 'auto' must be resolved by the planner before building the step engine")
+        if (sel["method"] == "sde_window") != (sel.get("window_size", 0) > 0):
+            raise ValueError("sampler.sde_window_size > 0 goes with grpo.timestep_selection=sde_window (and only)")
+        check_selection(sel["method"], self.num_steps, sel["fraction"], sel.get("window_size", 0),
+                        sel.get("window_range", (0, 1)))
+        check_layout(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step)
+        if sel["method"] == "dance_grpo" and self.micro_batch > 1:
+            raise ValueError("dance_grpo selection trains different steps per sample: use schedule.micro_batch=1")
+        if self.prompts_per_step % self.updates_per_rollout:
+            raise ValueError(f"grpo.updates_per_rollout ({self.updates_per_rollout}) must divide "
+                             f"grpo.prompts_per_step ({self.prompts_per_step}): each update trains whole groups")
+        if self.advantage == "dance_grpo" and self.group_size < 2:
+            raise ValueError("dance_grpo advantages use an unbiased std: grpo.group_size must be >= 2")
+        if self.objective.kl_beta > 0:
+            from leangrpo_mcore.models.common.lora import iter_lora_hosts
+
+            if next(iter_lora_hosts(policy), None) is None:
+                raise ValueError("grpo.kl_beta > 0 needs LoRA: the KL reference is the policy with its adapters "
+                                 "disabled (set model.lora.rank > 0)")
+
+
+@dataclass
+class StepInputs:
+    """The prompts of one step."""
+
+    step: int
+    """Global step number (part of every seed)."""
+    conditioning: Conditioning
+    """One row per prompt slot (P rows)."""
+    prompt_ids: torch.Tensor
+    """(P,) long dataset ids of the prompts (handed to ``reward_fn``)."""
+
+
+@dataclass
+class UpdateResult:
+    """One optimizer step of the rollout."""
+
+    schedule: str
+    """Schedule that produced the gradient."""
+    loss: float
+    """Update loss summed over data-parallel ranks."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    clipped: bool
+    """Whether clipping scaled the gradient."""
+    ratio_min: float
+    ratio_max: float
+    ratio_mean: float
+    clip_fraction: float
+    max_local_grad_buffers: int = 0
+    """Most provisional gradients held at once on this rank (Reweight)."""
+
+
+@dataclass
+class StepResult:
+    """Everything a step reports."""
+
+    step: int
+    rewards: torch.Tensor
+    """(P, M) rewards of the step (all ranks)."""
+    advantages: torch.Tensor
+    """(P, M) clamped advantages."""
+    updates: list[UpdateResult]
+    """One entry per optimizer step."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase: rollout, reward, advantage, recompute, backward, sync, clip, optimizer."""
+    peak_memory_bytes: Optional[int] = None
+    """Peak memory above the step's start (when measured)."""
+    trajectories: dict[int, list[Trajectory]] = field(default_factory=dict)
+    """This rank's trajectories per prompt slot (per micro-batch), when kept."""
+
+    @property
+    def loss(self) -> float:
+        """Loss of the first update."""
+        return self.updates[0].loss
+
+
+@dataclass
+class GroupRecord:
+    """A prompt group's local share after its rollout."""
+
+    share: PromptShare
+    update: GroupUpdate
+    group_rewards: torch.Tensor
+    """(M,) float32 rewards of the whole group, generation order."""
+
+
+def _check_rewards(rewards: torch.Tensor, batch: int) -> torch.Tensor:
+    rewards = torch.as_tensor(rewards)
+    if rewards.shape != (batch,):
+        raise ValueError(f"reward_fn must return shape ({batch},), got {tuple(rewards.shape)}")
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError(f"reward_fn returned {int((~torch.isfinite(rewards)).sum())} non-finite rewards")
+    return rewards.detach().to(torch.float32)
+
+
+class StepEngine:
+    """Runs training steps of one policy with one schedule (see module docstring)."""
+
+    def __init__(self, plan: StepPlan, *, policy: torch.nn.Module, velocity_fn, ctx: ParallelContext,
+                 optimizer: torch.optim.Optimizer, reward_fn: RewardFn, lr_scheduler=None,
+                 precision: ForwardPrecision = null_precision, measure_memory: Optional[bool] = None,
+                 keep_trajectories: bool = False) -> None:
+        plan.validate(ctx, policy)
+        self.plan, self.policy, self.velocity_fn, self.ctx = plan, policy, velocity_fn, ctx
+        self.optimizer, self.reward_fn, self.lr_scheduler = optimizer, reward_fn, lr_scheduler
+        self.precision = precision
+        self.params = trainable_parameters(policy)
+        self.measure_memory = ctx.device.type == "cuda" if measure_memory is None else measure_memory
+        self.keep_trajectories = keep_trajectories
+        self.shares = assign_samples(plan.layout, ctx.dp_rank, ctx.dp_size, plan.group_size, plan.prompts_per_step)
+        self.gather_groups = (build_group_process_groups(plan.layout, ctx.dp_size, plan.group_size,
+                                                         ctx.dp_global_ranks) if ctx.dp_size > 1 else {})
+
+    def _schedule(self, name: str, timer: PhaseTimer):
+        sync = GradSync(self.policy, self.ctx, mode=self.plan.sync_mode(), phase=timer.phase)
+        context = ScheduleContext(velocity_fn=self.velocity_fn, sde=self.plan.sde, objective=self.plan.objective,
+                                  grad_sync=sync, precision=self.precision, phase=timer.phase)
+        return build_schedule(name, context, **self.plan.schedule_options(name))
+
+    def step(self, inputs: StepInputs) -> StepResult:
+        """Run one step (one rollout, ``updates_per_rollout`` optimizer steps)."""
+        if inputs.conditioning.num_samples != self.plan.prompts_per_step:
+            raise ValueError(f"step inputs have {inputs.conditioning.num_samples} prompts, "
+                             f"expected prompts_per_step={self.plan.prompts_per_step}")
+        meter = MemoryMeter(self.ctx.device) if self.measure_memory else contextlib.nullcontext()
+        timer = PhaseTimer()
+        with meter:
+            result = self._run(inputs, timer)
+        result.timings = dict(timer.totals)
+        result.peak_memory_bytes = meter.peak_bytes if self.measure_memory else None
+        return result
+
+    def _run(self, inputs: StepInputs, timer: PhaseTimer) -> StepResult:
+        plan = self.plan
+        first = self._schedule(plan.schedule, timer)
+        first.begin_update(loss_weight(plan.samples_per_update, plan.steps_per_sample))
+        records: list[GroupRecord] = []
+        for share in sorted(self.shares, key=lambda s: (plan.update_of(s.prompt_slot), s.prompt_slot)):
+            schedule = first if plan.update_of(share.prompt_slot) == 0 else None
+            record = self._roll_out_group(inputs, share, schedule, timer)
+            if schedule is not None:
+                schedule.on_group_rewards(record.update)
+            if not plan.global_std:
+                with timer.phase("advantage"):
+                    self._set_advantages([record], record.group_rewards,
+                                         torch.zeros(plan.group_size, dtype=torch.long), [0])
+                if schedule is not None:
+                    schedule.on_advantages(record.update)
+            records.append(record)
+        rewards, advantages = self._step_advantages(records, timer)
+        if plan.global_std:
+            for record in records:
+                if plan.update_of(record.share.prompt_slot) == 0:
+                    first.on_advantages(record.update)
+        updates = [self._finish(first, timer)]
+        for k in range(1, plan.updates_per_rollout):
+            native = self._schedule("native", timer)
+            native.begin_update(loss_weight(plan.samples_per_update, plan.steps_per_sample))
+            for record in records:
+                if plan.update_of(record.share.prompt_slot) == k:
+                    native.on_advantages(record.update)
+            updates.append(self._finish(native, timer))
+        kept = {r.share.prompt_slot: r.update.trajectories for r in records} if self.keep_trajectories else {}
+        return StepResult(step=inputs.step, rewards=rewards, advantages=advantages, updates=updates,
+                          trajectories=kept)
+
+    def _roll_out_group(self, inputs: StepInputs, share: PromptShare, schedule, timer: PhaseTimer) -> GroupRecord:
+        """Roll out and score this rank's generations of one prompt, micro-batch by micro-batch."""
+        plan, device = self.plan, self.ctx.device
+        gens = list(share.generation_ids)
+        trajectories, rewards = [], []
+        for mb, start in enumerate(range(0, len(gens), plan.micro_batch)):
+            ids = gens[start:start + plan.micro_batch]
+            slots = [share.prompt_slot] * len(ids)
+            draws = draw_rollout_inputs(base_seed=plan.seed, step=inputs.step, prompt_slots=slots, generation_ids=ids,
+                                        latent_shape=plan.latent_shape, num_steps=plan.num_steps,
+                                        selection=plan.selection, same_latent=plan.same_latent, device=device)
+            cond = inputs.conditioning.select(slots).to(device)
+            prompt_ids = inputs.prompt_ids[torch.tensor(slots, dtype=torch.long)]
+            key = (share.prompt_slot, mb)
+            with timer.phase("rollout"):
+                traj = rollout(self.velocity_fn, draws.init_latents, plan.sigmas, cond, sde=plan.sde,
+                               selected=draws.selected, sde_steps=draws.sde_steps, noise_seeds=draws.noise_seeds,
+                               prompt_ids=prompt_ids, generation_ids=torch.tensor(ids, dtype=torch.long),
+                               grad_steps=None if schedule is None else schedule.grad_steps(draws.selected),
+                               on_step=None if schedule is None else schedule.on_step(key, cond),
+                               forward_context=self.precision)
+            with timer.phase("reward"):
+                local = _check_rewards(self.reward_fn(traj.final_latents, prompt_ids), len(ids))
+            if schedule is not None:
+                schedule.on_rewards(key, local)
+            trajectories.append(traj)
+            rewards.append(local)
+        with timer.phase("reward"):
+            group = gather_group_rewards(torch.cat(rewards).to(device), share, plan.group_size,
+                                         self.gather_groups.get(share.group_ranks))
+        update = GroupUpdate(index=share.prompt_slot, trajectories=trajectories, rewards=rewards,
+                             group_mean=float(group.double().mean()))
+        return GroupRecord(share=share, update=update, group_rewards=group)
+
+    def _set_advantages(self, records: list[GroupRecord], rewards: torch.Tensor, group_ids: torch.Tensor,
+                        offsets: list[int]) -> None:
+        """Advantages of ``rewards`` (N,) grouped by ``group_ids``; record n reads M entries from ``offsets[n]``."""
+        plan = self.plan
+        clamped = compute_advantages(plan.advantage, rewards, group_ids, adv_clip_max=plan.adv_clip_max,
+                                     global_std=plan.global_std)
+        raw = compute_advantages(plan.advantage, rewards, group_ids, adv_clip_max=None, global_std=plan.global_std)
+        alpha, gamma = advantage_affine(plan.advantage, rewards, group_ids, global_std=plan.global_std)
+        for record, offset in zip(records, offsets):
+            rows = slice(offset, offset + plan.group_size)
+            group_adv = clamped[rows]
+            update = record.update
+            update.advantages = [group_adv[traj.generation_ids.cpu()] for traj in update.trajectories]
+            update.alpha, update.gamma = float(alpha[rows][0]), float(gamma[rows][0])
+            update.clamp_fired = clamp_would_fire(raw[rows], plan.adv_clip_max)
+
+    def _step_advantages(self, records: list[GroupRecord], timer: PhaseTimer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, M) rewards and advantages of the step; with global std also each record's advantages."""
+        plan = self.plan
+        with timer.phase("reward"):
+            local = {(r.share.prompt_slot, gen): float(reward) for r in records
+                     for gen, reward in enumerate(r.group_rewards.tolist()) if gen in r.share.generation_ids}
+            table = gather_step_rewards(local, plan.prompts_per_step, plan.group_size, self.ctx.dp_group,
+                                        self.ctx.device)
+        ids = torch.arange(plan.prompts_per_step).repeat_interleave(plan.group_size)
+        with timer.phase("advantage"):
+            if plan.global_std:
+                self._set_advantages(records, table.flatten(), ids,
+                                     [r.share.prompt_slot * plan.group_size for r in records])
+            advantages = compute_advantages(plan.advantage, table.flatten(), ids, adv_clip_max=plan.adv_clip_max,
+                                            global_std=plan.global_std)
+        return table, advantages.view(plan.prompts_per_step, plan.group_size)
+
+    def _finish(self, schedule, timer: PhaseTimer) -> UpdateResult:
+        """Finish the schedule's update, clip, step the optimizer; statistics over the ranks."""
+        stats: UpdateStats = schedule.finish_update()
+        with timer.phase("clip"):
+            norm, clipped = clip_grad_norm_(self.params, self.plan.max_grad_norm, self.ctx)
+        with timer.phase("optimizer"):
+            optimizer_step(self.optimizer, self.params, self.lr_scheduler)
+        totals = stats.reduced(self.ctx.dp_group, self.ctx.device)
+        return UpdateResult(schedule=schedule.name, loss=totals["loss"], grad_norm=norm, clipped=clipped,
+                            ratio_min=totals["ratio_min"], ratio_max=totals["ratio_max"],
+                            ratio_mean=totals["ratio_mean"], clip_fraction=totals["clip_fraction"],
+                            max_local_grad_buffers=stats.max_local_grad_buffers)

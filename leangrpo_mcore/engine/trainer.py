@@ -1,0 +1,347 @@
+"""The training loop: build from the config, resume, run ``train.max_steps`` steps, log, checkpoint, summarise.
+
+Robustness rules (issue 5):
+
+- bad input found while building (config values, paths, layouts, checkpoints) is a one-line
+  :class:`~leangrpo_mcore.errors.UserError` on every rank;
+- a reward that fails or returns NaN/inf on any rank stops every rank after the step with that reward's
+  one-line error, before anything of that step is logged or saved;
+- an update whose gradient is non-finite on any rank is skipped (the optimizer sees no gradient, so neither
+  the weights nor the optimizer state change) and logged; ``train.max_nonfinite_skips`` consecutive skips stop
+  the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from leangrpo_mcore.config import Config, config_to_yaml
+from leangrpo_mcore.engine import build, checkpoint
+from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_error, get_logger, init_distributed,
+                                          raise_if_any, shutdown)
+from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_stats
+from leangrpo_mcore.engine.run_dir import RunDir, check_fresh_run, prepare, read_metrics
+from leangrpo_mcore.engine.samples import save_grid, to_uint8
+from leangrpo_mcore.engine.step import StepInputs, StepResult
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.mesh import destroy_parallel_context
+from leangrpo_mcore.rl.rewards import RewardError
+
+SAMPLE_GRID_MAX = 16
+"""At most this many generations appear in a sample grid."""
+
+
+class TrainingStopped(UserError):
+    """The run stopped itself (repeated non-finite updates); reported as one line, exit code 2."""
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the project's bad-input errors (ValueError with a one-line message, RewardError) into UserError."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (ValueError, RewardError) as err:
+        lines = str(err).strip().splitlines()
+        raise UserError(lines[0] if lines else type(err).__name__) from err
+
+
+class NonFiniteGuard:
+    """An optimizer pre-step hook: if any rank holds a non-finite gradient, drop every gradient (skip the update)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.skipped = 0
+        self._handle = optimizer.register_step_pre_hook(self._check)
+
+    def _check(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        flag = torch.zeros(1, device=collective_device())
+        if local:
+            # One flag for all gradients: a single host sync instead of one per tensor.
+            finite = torch.stack([torch.isfinite(g).all() for g in local]).all()
+            flag += (~finite).to(flag.device, torch.float32)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            self.skipped += 1
+
+
+class RewardBridge:
+    """The step engine's ``reward_fn``: decode latents, score them, keep sample images, capture reward errors."""
+
+    def __init__(self, data: build.DataParts, config: Config) -> None:
+        self.data = data
+        self.family = config.model.family
+        self.height, self.width = config.sampler.height, config.sampler.width
+        self.error: Optional[str] = None
+        self.capture = False
+        self.samples: list[tuple] = []
+
+    def begin_step(self, capture: bool) -> None:
+        """Reset the per-step state; ``capture`` keeps this step's images for a sample grid."""
+        self.error, self.capture, self.samples = None, capture, []
+
+    def __call__(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """(B,) rewards of ``final_latents``; zeros after a reward error (the step is then abandoned)."""
+        prompts = self.data.dataset.get([int(i) for i in prompt_ids.tolist()])
+        if self.error is not None:
+            return torch.zeros(len(prompts))
+        size = {"height": self.height, "width": self.width} if self.family == "flux" else {}
+        images = self.data.decoder.decode(final_latents, **size).images
+        try:
+            rewards = self.data.reward(images, prompts)
+        except RewardError as err:
+            self.error = str(err)
+            return torch.zeros(len(prompts))
+        if self.capture:
+            self.samples.extend(zip(to_uint8(images), prompts, rewards.tolist(), prompt_ids.tolist()))
+        return rewards
+
+
+@dataclass
+class LoopState:
+    """Counters that survive a resume."""
+
+    step: int = 0
+    """Last completed step."""
+    nonfinite_streak: int = 0
+    """Consecutive skipped updates up to ``step``."""
+    step_times: list[float] = field(default_factory=list)
+    """Wall-clock seconds of each step of this launch (not saved)."""
+
+
+class Trainer:
+    """One training run on this rank (see module docstring)."""
+
+    def __init__(self, config: Config, dist_ctx: DistContext, logger: logging.Logger) -> None:
+        self.dist, self.log = dist_ctx, logger
+        self.config = config = build.resolve_plan(config, dist_ctx.world_size, logger)
+        self.schedule = config.schedule.name
+        self.run_dir = RunDir(config.train.output_dir)
+        self.resume_path = first_error(self._resume_target)
+        self.pctx = build.build_context(config, dist_ctx)
+        build.check_layout_early(config, self.pctx)
+        self.family, self.hyper = build.policy_hyper(config)
+        self.lora = build.lora_record(config, self.family)
+        same_layout = self._check_compatible(self.resume_path) if self.resume_path else True
+        self.data = build.build_data_parts(config, self.family, self.hyper, dist_ctx.device)
+        self.parts = build.build_policy_parts(config, self.pctx)
+        self.bridge = RewardBridge(self.data, config)
+        self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
+        self.guard = NonFiniteGuard(self.parts.optimizer)
+        self.state = LoopState()
+        if self.resume_path is not None:
+            self._resume(self.resume_path, same_layout)
+        self.config_yaml = config_to_yaml(config)
+        first_error(prepare, self.run_dir, self.config_yaml, resume_step=self.state.step or None)
+        enabled = dist_ctx.is_main
+        self.metrics = MetricsLogger(self.run_dir.metrics_path,
+                                     self.run_dir.tensorboard_dir if config.logging.tensorboard else None,
+                                     enabled=enabled, purge_step=self.state.step + 1)
+        self.progress = ProgressBar(config.train.max_steps, self.state.step,
+                                    enabled=enabled and config.logging.progress_bar)
+
+    def _resume_target(self) -> Optional[str]:
+        spec = self.config.checkpoint.resume
+        if spec is None:
+            check_fresh_run(self.run_dir)
+            return None
+        path = checkpoint.resolve_resume(spec, self.run_dir)
+        if path is None:
+            check_fresh_run(self.run_dir)
+        return path
+
+    def _layout_record(self) -> dict:
+        layout = self.pctx.layout
+        record = {"world_size": self.dist.world_size, "tp": layout.tp, "dp_shard": int(layout.dp_shard),
+                  "dp_replicate": int(layout.dp_replicate), "family": self.family.name, "model_config": self.hyper,
+                  "lora": self.lora, "optimizer": self.config.optim.name, "schedule": self.schedule}
+        # Through JSON, as trainer_state.json stores it (tuples become lists), so that records compare equal.
+        return json.loads(json.dumps(record))
+
+    def _check_compatible(self, path: str) -> bool:
+        """UserError unless the checkpoint trains the same model; False when it was written at another layout."""
+        saved = checkpoint.read_state(path)
+        mine = self._layout_record()
+        for key in ("family", "model_config", "lora", "optimizer"):
+            if saved.get(key) != mine[key]:
+                raise UserError(f"checkpoint {path} is incompatible with this config: its {key} is "
+                                f"{saved.get(key)!r}, this run has {mine[key]!r}")
+        same = all(saved.get(k) == mine[k] for k in ("world_size", "tp", "dp_shard", "dp_replicate"))
+        if not same:
+            self.log.info("resharding checkpoint written at world size %s (tp %s) to world size %s (tp %s); "
+                          "per-rank RNG states are not restored", saved.get("world_size"), saved.get("tp"),
+                          mine["world_size"], mine["tp"])
+        return same
+
+    def _resume(self, path: str, same: bool) -> None:
+        p = self.parts
+        state = checkpoint.load_checkpoint(path, model=p.policy, optimizer=p.optimizer, lr_scheduler=p.lr_scheduler,
+                                           ema=p.ema, layout=p.tp_layout, same_layout=same)
+        self.data.sampler.load_state_dict(state["sampler"])
+        self.state.step = int(state["step"])
+        self.state.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self.log.info("resumed from %s at step %d", path, self.state.step)
+
+    def run(self) -> LoopState:
+        """Train until ``train.max_steps``; returns the final counters."""
+        cfg = self.config
+        try:
+            for step in range(self.state.step + 1, cfg.train.max_steps + 1):
+                self._train_step(step)
+                if self._save_due(step):
+                    self._save(step)
+        finally:
+            self.metrics.close()
+            self.progress.close()
+        self._summary()
+        return self.state
+
+    def _sample_due(self, step: int) -> bool:
+        every = self.config.logging.sample_every
+        return step == self.config.train.max_steps or (every > 0 and step % every == 0)
+
+    def _save_due(self, step: int) -> bool:
+        every = self.config.checkpoint.save_every
+        return step == self.config.train.max_steps or (every > 0 and step % every == 0)
+
+    def _train_step(self, step: int) -> None:
+        prompt_ids = self.data.sampler.next_indices()
+        start = time.perf_counter()
+        conditioning = self.data.text_encoder.encode(self.data.dataset.get(prompt_ids))
+        self.bridge.begin_step(capture=self._sample_due(step))
+        skipped_before = self.guard.skipped
+        lr = float(self.parts.optimizer.param_groups[0]["lr"])
+        result = self.engine.step(StepInputs(step=step, conditioning=conditioning,
+                                             prompt_ids=torch.tensor(prompt_ids, dtype=torch.long)))
+        raise_if_any(self.bridge.error)
+        elapsed = time.perf_counter() - start
+        skipped = self.guard.skipped > skipped_before
+        self._after_update(step, skipped)
+        row = self._row(result, elapsed, skipped, lr)
+        self.metrics.log(step, row)
+        self.progress.update(step, row["reward_mean"], row["loss"], elapsed)
+        if self.bridge.capture:
+            self._write_samples(step)
+        self._stop_if_diverged(step)
+
+    def _after_update(self, step: int, skipped: bool) -> None:
+        self.state.step = step
+        self.state.nonfinite_streak = self.state.nonfinite_streak + 1 if skipped else 0
+        if skipped:
+            self.log.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)", step,
+                             self.state.nonfinite_streak)
+        elif self.parts.ema is not None:
+            decay = self.config.train.ema_decay
+            params = dict(self.parts.policy.named_parameters())
+            with torch.no_grad():
+                for name, shadow in self.parts.ema.items():
+                    shadow.lerp_(params[name].detach().float(), 1.0 - decay)
+
+    def _row(self, result: StepResult, elapsed: float, skipped: bool, lr: float) -> dict:
+        stats = reward_stats(result.rewards)
+        self.state.step_times.append(elapsed)
+        updates = result.updates
+        row = {**stats, "loss": sum(u.loss for u in updates) / len(updates),
+               "advantage_abs_mean": float(result.advantages.double().abs().mean()),
+               "grad_norm": updates[-1].grad_norm, "clip_fraction": sum(u.clip_fraction for u in updates) / len(updates),
+               "ratio_min": min(u.ratio_min for u in updates), "ratio_max": max(u.ratio_max for u in updates),
+               "ratio_mean": sum(u.ratio_mean for u in updates) / len(updates),
+               "lr": lr, "skipped": int(skipped),
+               "nonfinite_streak": self.state.nonfinite_streak, "time_step_s": elapsed}
+        row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
+        if result.peak_memory_bytes is not None:
+            row["peak_memory_bytes"] = int(result.peak_memory_bytes)
+        # ru_maxrss is in kB on Linux: the process's peak resident memory so far (CPU runs have no allocator peak).
+        row["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return row
+
+    def _write_samples(self, step: int) -> None:
+        local = self.bridge.samples
+        gathered = [local]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, local)
+        if not self.dist.is_main:
+            return
+        items = sorted((item for part in gathered for item in part), key=lambda it: (it[3], it[1]))
+        items = items[:SAMPLE_GRID_MAX]
+        if not items:
+            return
+        images = torch.stack([torch.from_numpy(it[0]).permute(2, 0, 1) for it in items]).float() / 255.0
+        grid = save_grid(self.run_dir.sample_path(step), images, [it[1] for it in items], [it[2] for it in items])
+        self.metrics.add_image("samples", np.asarray(grid), step)
+
+    def _stop_if_diverged(self, step: int) -> None:
+        limit = max(self.config.train.max_nonfinite_skips, 1)
+        if self.state.nonfinite_streak >= limit:
+            raise TrainingStopped(f"stopping at step {step}: {self.state.nonfinite_streak} consecutive updates had a "
+                                  f"non-finite loss or gradient (train.max_nonfinite_skips="
+                                  f"{self.config.train.max_nonfinite_skips}); lower optim.lr or check the reward")
+
+    def _save(self, step: int) -> None:
+        p = self.parts
+        record = {**self._layout_record(), "sampler": self.data.sampler.state_dict(),
+                  "nonfinite_streak": self.state.nonfinite_streak}
+        path = checkpoint.save_checkpoint(self.run_dir, step, model=p.policy, optimizer=p.optimizer,
+                                          lr_scheduler=p.lr_scheduler, ema=p.ema, layout=p.tp_layout, state=record,
+                                          config_yaml=self.config_yaml)
+        if self.dist.is_main:
+            for gone in checkpoint.prune(self.run_dir, self.config.checkpoint.keep_last):
+                self.log.info("removed old checkpoint %s", gone)
+        self.log.info("saved checkpoint %s", path)
+
+    def _summary(self) -> None:
+        if not self.dist.is_main:
+            return
+        rows = read_metrics(self.run_dir.metrics_path)
+        rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), (int, float))]
+        times = self.state.step_times
+        lines = [f"finished {self.state.step} / {self.config.train.max_steps} steps ({self.schedule} schedule, "
+                 f"world size {self.dist.world_size})"]
+        if rewards:
+            lines.append(f"reward: first {rewards[0]:.4f} -> last {rewards[-1]:.4f} "
+                         f"(change {rewards[-1] - rewards[0]:+.4f})")
+        if times:
+            lines.append(f"mean step time: {sum(times) / len(times):.2f} s over {len(times)} steps this launch")
+        complete = checkpoint.list_complete(self.run_dir)
+        lines.append(f"samples: {self.run_dir.samples_dir}")
+        if self.config.logging.tensorboard:
+            lines.append(f"tensorboard: tensorboard --logdir {self.run_dir.tensorboard_dir}")
+        if complete:
+            latest = complete[-1][1]
+            lines.append(f"checkpoint: {latest} (export: leangrpo-convert mcore-to-diffusers --src {latest} "
+                         f"--dst {os.path.join(self.run_dir.root, 'diffusers')})")
+        print("\n".join(lines), file=sys.stdout, flush=True)
+
+
+def train(config: Config) -> LoopState:
+    """Run training for ``config`` on this process (torchrun rank or a lone process); returns the counters."""
+    dist_ctx = init_distributed()
+    logger = get_logger(dist_ctx.rank)
+    try:
+        with user_errors():
+            trainer = Trainer(config, dist_ctx, logger)
+        return trainer.run()
+    finally:
+        destroy_parallel_context()
+        shutdown(dist_ctx)
+

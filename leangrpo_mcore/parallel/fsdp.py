@@ -1,0 +1,78 @@
+"""FSDP2 wrapping of a policy: ``fully_shard`` per block, then the root (torchtitan's order).
+
+The mesh is the data-parallel mesh of :mod:`leangrpo_mcore.parallel.mesh`: (dp_shard,) for FSDP or
+(dp_replicate, dp_shard) for HSDP. megatron's own FSDP is never used (it does not run on CPU).
+
+Gradient reduction is a plain SUM (``set_gradient_divide_factor(1.0)`` with sum-only collectives): the
+loss is normalised once over every sample and step of the whole update
+(:func:`leangrpo_mcore.schedules.base.loss_weight`), so the data-parallel reduction must add, never average.
+
+FSDP2 replaces each parameter by a sharded DTensor parameter; megatron's tensor-parallel attributes
+(``tensor_model_parallel``, ``partition_dim``, ...) are copied onto the new parameters so that gradient
+clipping can still tell partitioned from replicated weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from leangrpo_mcore.parallel.mesh import ParallelContext
+from leangrpo_mcore.parallel.precision import mixed_precision_policy
+
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_segments")
+
+
+def _tp_attributes(model: torch.nn.Module) -> dict[str, dict]:
+    saved = {}
+    for name, param in model.named_parameters():
+        attrs = {a: getattr(param, a) for a in _TP_ATTRIBUTES if hasattr(param, a)}
+        if attrs:
+            saved[name] = attrs
+    return saved
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Every FSDP2-managed module inside ``model`` (the root included), in ``modules()`` order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an FSDP2 root."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def apply_fsdp(
+    model: torch.nn.Module,
+    ctx: ParallelContext,
+    *,
+    param_dtype: str = "float32",
+    reduce_dtype: str = "float32",
+    reshard_after_forward: bool = True,
+) -> torch.nn.Module:
+    """Shard ``model`` in place over ``ctx.dp_mesh`` and return it; a no-op without data parallelism.
+
+    ``model.blocks()`` gives the transformer blocks (each its own FSDP unit); the remaining parameters
+    (embedders, final layer) form the root unit.
+    """
+    if ctx.dp_mesh is None:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    if not hasattr(model, "blocks"):
+        raise ValueError(f"{type(model).__name__} has no blocks(): cannot wrap it per block")
+    saved = _tp_attributes(model)
+    mp_policy = mixed_precision_policy(param_dtype, reduce_dtype)
+    for block in model.blocks():
+        fully_shard(block, mesh=ctx.dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=ctx.dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    for module in fsdp_modules(model):
+        module.set_force_sum_reduction_for_comms(True)
+        module.set_gradient_divide_factor(1.0)
+    for name, param in model.named_parameters():
+        for attr, value in saved.get(name, {}).items():
+            setattr(param, attr, value)
+    return model

@@ -1,0 +1,158 @@
+"""One layout description → megatron tensor-parallel groups + a torch DeviceMesh for data parallelism.
+
+Rank order follows megatron-core's default ``tp-cp-ep-dp-pp``: tensor parallelism varies fastest, so the
+global ranks form a (dp_replicate, dp_shard, tp) grid in row-major order. The data-parallel ranks of this
+rank's mesh are therefore exactly the ranks that share its TP rank, in megatron's data-parallel order;
+:func:`build_parallel_context` asserts both facts against ``parallel_state`` after creating them.
+
+Without ``torch.distributed`` (a plain single process) the context is trivial: TP = DP = 1, no mesh, and
+the models' TP helpers fall back to identities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Union
+
+import torch
+import torch.distributed as dist
+
+Degree = Union[int, Literal["auto"]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees; ``auto`` data-parallel degrees are resolved from the live world size."""
+
+    tp: int = 1
+    """Tensor-parallel degree."""
+    dp_replicate: Degree = "auto"
+    """HSDP replica degree (auto = 1)."""
+    dp_shard: Degree = "auto"
+    """FSDP sharding degree (auto = world / (tp · dp_replicate))."""
+
+    def resolve(self, world_size: int) -> "Layout":
+        """The layout with integer degrees whose product is ``world_size``; ValueError otherwise."""
+        if self.tp < 1 or world_size % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide the world size {world_size}")
+        replicate = 1 if self.dp_replicate == "auto" else int(self.dp_replicate)
+        if replicate < 1 or (world_size // self.tp) % replicate:
+            raise ValueError(f"dp_replicate={replicate} does not divide world/tp = {world_size // self.tp}")
+        shard = world_size // (self.tp * replicate) if self.dp_shard == "auto" else int(self.dp_shard)
+        if shard < 1 or self.tp * replicate * shard != world_size:
+            raise ValueError(
+                f"tp ({self.tp}) x dp_replicate ({replicate}) x dp_shard ({shard}) != world size {world_size}"
+            )
+        return Layout(tp=self.tp, dp_replicate=replicate, dp_shard=shard)
+
+    @classmethod
+    def from_config(cls, parallel) -> "Layout":
+        """From a :class:`~leangrpo_mcore.config.schema.ParallelConfig`."""
+        return cls(tp=parallel.tp, dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard)
+
+
+@dataclass
+class ParallelContext:
+    """The live parallel state of this process."""
+
+    layout: Layout
+    """Resolved degrees."""
+    world_size: int = 1
+    """Total processes."""
+    rank: int = 0
+    """Global rank."""
+    tp_rank: int = 0
+    """Rank inside the tensor-parallel group."""
+    dp_rank: int = 0
+    """Index among the data-parallel ranks (replicate-major, shard-minor)."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Compute device."""
+    dp_mesh: object | None = None
+    """DeviceMesh (dp_shard,) or (dp_replicate, dp_shard); None without data parallelism."""
+    dp_group: object | None = None
+    """Process group of all data-parallel ranks of this TP rank (None at DP = 1)."""
+    tp_group: object | None = None
+    """Megatron's tensor-parallel group (None at TP = 1 without distributed)."""
+    dp_global_ranks: list[list[int]] = field(default_factory=lambda: [[0]])
+    """For each TP rank, the global ranks of its data-parallel group in DP order."""
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks (dp_replicate · dp_shard)."""
+        return int(self.layout.dp_replicate) * int(self.layout.dp_shard)
+
+    def dp_shard_group(self):
+        """The reduce-scatter group (None when there is no DP sharding mesh)."""
+        if self.dp_mesh is None:
+            return None
+        return self.dp_mesh.get_group("dp_shard")
+
+    def dp_replicate_group(self):
+        """The HSDP all-reduce group (None without replication)."""
+        if self.dp_mesh is None or int(self.layout.dp_replicate) == 1:
+            return None
+        return self.dp_mesh.get_group("dp_replicate")
+
+
+def _init_megatron(tp: int) -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tp:
+            raise ValueError(f"megatron parallel_state is already initialised with a different TP size than {tp}")
+        return
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def _check_against_megatron(ctx: ParallelContext, mesh) -> None:
+    from megatron.core import parallel_state
+
+    tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+    mesh_tp = mesh["tp"].mesh.flatten().tolist()
+    dp_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    mesh_dp = mesh["dp_replicate", "dp_shard"].mesh.flatten().tolist()
+    if tp_ranks != mesh_tp or dp_ranks != mesh_dp:
+        raise RuntimeError(
+            f"device mesh and megatron disagree: TP {mesh_tp} vs {tp_ranks}, DP {mesh_dp} vs {dp_ranks}"
+        )
+    if parallel_state.get_tensor_model_parallel_rank() != ctx.tp_rank:
+        raise RuntimeError("megatron's TP rank differs from the mesh's")
+
+
+def build_parallel_context(layout: Layout, device: torch.device | str = "cpu") -> ParallelContext:
+    """Resolve ``layout``, initialise megatron's TP groups and build the data-parallel DeviceMesh."""
+    device = torch.device(device)
+    if not dist.is_available() or not dist.is_initialized():
+        resolved = layout.resolve(1)
+        return ParallelContext(layout=resolved, device=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    resolved = layout.resolve(world)
+    replicate, shard = int(resolved.dp_replicate), int(resolved.dp_shard)
+    _init_megatron(resolved.tp)
+    mesh = init_device_mesh(device.type, (replicate, shard, resolved.tp),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+    ranks = torch.arange(world).reshape(-1, resolved.tp)
+    columns = [ranks[:, k].tolist() for k in range(resolved.tp)]
+    tp_rank = rank % resolved.tp
+    ctx = ParallelContext(
+        layout=resolved, world_size=world, rank=rank, tp_rank=tp_rank, dp_rank=rank // resolved.tp,
+        device=device, dp_mesh=dp_mesh if replicate * shard > 1 else None,
+        dp_group=None, tp_group=None, dp_global_ranks=columns,
+    )
+    from megatron.core import parallel_state
+
+    ctx.tp_group = parallel_state.get_tensor_model_parallel_group()
+    ctx.dp_group = parallel_state.get_data_parallel_group() if replicate * shard > 1 else None
+    _check_against_megatron(ctx, mesh)
+    return ctx
+
+
+def destroy_parallel_context() -> None:
+    """Tear down megatron's groups (the default process group stays)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

@@ -1,0 +1,287 @@
+"""The update-schedule strategy interface, its registry, and the loss every schedule shares.
+
+A schedule turns rollouts + advantages into gradients. The engine drives it through hooks, per prompt
+group held by this rank (ALGORITHMS.md §5–6)::
+
+    begin_update(weight)                      # weight = 1 / (samples × selected steps of the update)
+    for each group, for each micro-batch:
+        rollout(grad_steps=schedule.grad_steps(selected), on_step=schedule.on_step(key, conditioning))
+        schedule.on_rewards(key, local rewards)
+    schedule.on_group_rewards(group)          # the group's rewards are gathered (mean known)
+    schedule.on_advantages(group)             # advantages known (at once, or at step end with global std)
+    schedule.finish_update()                  # → grad_sync.finish(): reduced gradients ready
+
+Only dataclasses and tensors cross these boundaries; schedules see the velocity function, the SDE and an
+injected :class:`~leangrpo_mcore.parallel.grad_sync.GradSync`, never the optimizer.
+
+The loss of one *unit* (the forward of one micro-batch at one step) is defined once here,
+:func:`unit_loss`, and used unchanged by every schedule, so that identical inputs give identical graphs:
+L = weight · Σ_{train rows} [ max(−A·ρ, −A·clip(ρ, 1±ε)) + β·KL ], ρ = exp(log p − log p_old). The weight
+is the same for all schedules and layouts: one over the number of (sample, selected step) pairs of the
+whole update over every rank (the baselines' batch mean), with gradients summed over ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from leangrpo_mcore.diffusion.sampler import SDEParams, StepRecord
+from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
+from leangrpo_mcore.diffusion.velocity import VelocityFn
+from leangrpo_mcore.parallel.grad_sync import GradSync
+from leangrpo_mcore.parallel.precision import ForwardPrecision, null_precision
+from leangrpo_mcore.rl.loss import grpo_step_loss, kl_loss
+
+UnitKey = tuple[int, int]
+"""(prompt slot of the group, micro-batch index within this rank's share of the group)."""
+
+SCHEDULES: dict[str, type["Schedule"]] = {}
+
+
+def register_schedule(name: str) -> Callable[[type["Schedule"]], type["Schedule"]]:
+    """Class decorator registering a schedule under ``name`` (``schedule.name`` in the config)."""
+
+    def decorator(cls: type[Schedule]) -> type[Schedule]:
+        if name in SCHEDULES:
+            raise ValueError(f"schedule {name!r} is already registered")
+        cls.name = name
+        SCHEDULES[name] = cls
+        return cls
+
+    return decorator
+
+
+def available_schedules() -> list[str]:
+    """Registered schedule names, sorted."""
+    return sorted(SCHEDULES)
+
+
+def build_schedule(name: str, context: "ScheduleContext", **options) -> "Schedule":
+    """Instantiate the schedule registered as ``name``."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(available_schedules())}")
+    return SCHEDULES[name](context, **options)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The GRPO objective of an update (ALGORITHMS.md §4)."""
+
+    clip_range: float = 1e-4
+    """ε of the clipped ratio."""
+    kl_beta: float = 0.0
+    """β of the KL term (0: no reference forward at all)."""
+    kl_form: str = "flow_grpo"
+    """``flow_grpo`` (divide by 2·std_t²) or ``exact`` (true Gaussian KL)."""
+
+
+def loss_weight(num_samples: int, steps_per_sample: int) -> float:
+    """The one loss normaliser: 1 / (samples × selected steps) of the whole update, all ranks together."""
+    if num_samples < 1 or steps_per_sample < 1:
+        raise ValueError(f"an update needs samples and steps, got {num_samples} and {steps_per_sample}")
+    return 1.0 / (num_samples * steps_per_sample)
+
+
+@dataclass
+class ScheduleContext:
+    """What a schedule is given (injected by the engine)."""
+
+    velocity_fn: VelocityFn
+    """Policy call: (latents, sigma, conditioning) → float32 velocity."""
+    sde: SDEParams
+    """SDE variant and schedule constants."""
+    objective: Objective
+    """Clip range and KL settings."""
+    grad_sync: GradSync
+    """Gradient synchronisation strategy."""
+    precision: ForwardPrecision = null_precision
+    """Context around every policy forward (``grad`` tells trained from rollout-only forwards)."""
+    phase: Callable[[str], ContextManager] = field(default=lambda name: contextlib.nullcontext())
+    """Timer hook: ``with phase("backward"): ...``."""
+
+
+@dataclass
+class GroupUpdate:
+    """One prompt group's local share, as the update hooks see it (lists are per micro-batch)."""
+
+    index: int
+    """The group's prompt slot (the first element of its unit keys)."""
+    trajectories: list[Trajectory]
+    """The rollout of each micro-batch."""
+    rewards: list[torch.Tensor]
+    """(B_mb,) local rewards."""
+    group_mean: float
+    """Mean reward of the whole group (all ranks), float64 precision."""
+    advantages: Optional[list[torch.Tensor]] = None
+    """(B_mb,) float32 clamped advantages (None until known)."""
+    alpha: float = 0.0
+    """Unclamped affine form A = alpha·r + gamma: alpha = 1 / (std + eps) (group or global std)."""
+    gamma: float = 0.0
+    """−mean·alpha."""
+    clamp_fired: bool = False
+    """Whether clamping changed any advantage of this group."""
+
+
+@dataclass
+class UpdateStats:
+    """Diagnostics of one update on this rank, kept as device tensors (no host sync until :meth:`reduced`)."""
+
+    clip_range: float = 0.0
+    """ε used to count clipped ratios."""
+    ratios: list[torch.Tensor] = field(default_factory=list)
+    """Detached ρ of the trained rows, one tensor per unit."""
+    losses: list[torch.Tensor] = field(default_factory=list)
+    """Detached 0-d weighted losses (their sum is this rank's share of the update loss)."""
+    max_local_grad_buffers: int = 0
+    """Most provisional gradients held at once (Reweight)."""
+
+    def add(self, ratio: torch.Tensor, loss: Optional[torch.Tensor] = None) -> None:
+        """Record the ratios ρ (of train rows) and the loss of one unit."""
+        self.ratios.append(ratio.detach().flatten())
+        if loss is not None:
+            self.losses.append(loss.detach().reshape(()))
+
+    def reduced(self, dp_group, device: torch.device) -> dict[str, float]:
+        """loss, ratio extremes and mean, clip fraction over the data-parallel ranks (``dp_group``; None: local)."""
+        device = device if device.type == "cuda" else torch.device("cpu")
+        ratio = torch.cat([r.to(device, torch.float64) for r in self.ratios]) if self.ratios else \
+            torch.ones(0, dtype=torch.float64, device=device)
+        loss = torch.stack([l.to(device, torch.float64) for l in self.losses]).sum() if self.losses else \
+            torch.zeros((), dtype=torch.float64, device=device)
+        clipped = ((ratio - 1).abs() > self.clip_range).sum()
+        sums = torch.stack([loss, ratio.sum(), clipped.to(torch.float64),
+                            torch.tensor(float(ratio.numel()), dtype=torch.float64, device=device)])
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
+        low = ratio.min().reshape(1) if ratio.numel() else inf.reshape(1)
+        high = ratio.max().reshape(1) if ratio.numel() else -inf.reshape(1)
+        if dp_group is not None:
+            dist.all_reduce(sums, group=dp_group)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=dp_group)
+            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=dp_group)
+        loss_sum, ratio_sum, clipped_n, count = sums.cpu().tolist()
+        return {"loss": loss_sum, "ratio_min": float(low), "ratio_max": float(high),
+                "ratio_mean": ratio_sum / count if count else 1.0, "clip_fraction": clipped_n / count if count else 0.0}
+
+
+class PhaseTimer:
+    """Exclusive wall-clock time per phase; a nested phase pauses its parent's clock (the ``phase`` hook)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block under ``name``."""
+        now = time.perf_counter()
+        if self._stack:
+            self.totals[self._stack[-1][0]] += now - self._stack[-1][1]
+        self._stack.append([name, now])
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            current = self._stack.pop()
+            self.totals[name] += end - current[1]
+            if self._stack:
+                self._stack[-1][1] = end
+
+
+def kl_value(sde: SDEParams, objective: Objective, mean: torch.Tensor, ref_mean: torch.Tensor,
+             std: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """(B,) KL of the step to the reference in the configured form (gradient through ``mean``)."""
+    if objective.kl_form == "flow_grpo":
+        return kl_loss(mean, ref_mean, std_t=sde.std_t(sigma, sigma_next), form="flow_grpo")
+    return kl_loss(mean, ref_mean, transition_std=std, form="exact")
+
+
+def unit_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+              train: torch.Tensor, weight: float, objective: Objective,
+              kl: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weighted loss of the unit, ρ of its train rows) — the one loss definition of every schedule."""
+    per_sample, _ = grpo_step_loss(log_prob, old_log_prob, advantages, clip_range=objective.clip_range)
+    if kl is not None:
+        per_sample = per_sample + objective.kl_beta * kl
+    train = train.to(per_sample.device)
+    loss = torch.where(train, per_sample, torch.zeros_like(per_sample)).sum() * weight
+    ratio = torch.exp(log_prob.detach() - old_log_prob.detach())[train]
+    return loss, ratio
+
+
+def kl_unit_loss(kl: torch.Tensor, train: torch.Tensor, weight: float, objective: Objective) -> torch.Tensor:
+    """The KL part alone, weighted like :func:`unit_loss` (Reweight backpropagates it unscaled)."""
+    per_sample = objective.kl_beta * kl
+    train = train.to(per_sample.device)
+    return torch.where(train, per_sample, torch.zeros_like(per_sample)).sum() * weight
+
+
+class Schedule:
+    """Base strategy: no-op hooks; subclasses implement the schedule-specific ones."""
+
+    name = "base"
+    recompute_free = False
+    """Whether selected steps train from the rollout's own forwards (no recompute)."""
+
+    def __init__(self, context: ScheduleContext) -> None:
+        self.ctx = context
+        self.weight = 0.0
+        self.stats = UpdateStats(clip_range=context.objective.clip_range)
+
+    def begin_update(self, weight: float) -> None:
+        """Start an update whose unit losses are scaled by ``weight`` (:func:`loss_weight`)."""
+        self.weight = float(weight)
+        self.stats = UpdateStats(clip_range=self.ctx.objective.clip_range)
+
+    def grad_steps(self, selected: torch.Tensor) -> Optional[torch.Tensor]:
+        """(B, T) steps whose rollout forward needs gradients (None: a no-grad rollout)."""
+        return selected if self.recompute_free else None
+
+    def on_step(self, key: UnitKey, conditioning: Conditioning) -> Optional[Callable[[StepRecord], None]]:
+        """The sampler callback of micro-batch ``key`` (None: nothing to do during rollout)."""
+        return None
+
+    def on_rewards(self, key: UnitKey, rewards: torch.Tensor) -> None:
+        """Local rewards of micro-batch ``key`` are known (right after its rollout)."""
+
+    def on_group_rewards(self, group: GroupUpdate) -> None:
+        """The group's rewards are gathered: ``group.group_mean`` is known, advantages maybe not yet."""
+
+    def on_advantages(self, group: GroupUpdate) -> None:
+        """``group.advantages`` are known: contribute the group's gradient."""
+
+    def finish_update(self) -> UpdateStats:
+        """Complete the update: every gradient reduced into the parameters' ``.grad``."""
+        with self.ctx.phase("sync"):
+            self.ctx.grad_sync.finish()
+        return self.stats
+
+    # ------------------------------------------------------------------ shared forward helpers
+    def reference_mean(self, latents: torch.Tensor, next_latents: torch.Tensor, sigma: torch.Tensor,
+                       sigma_next: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """The reference policy's SDE mean (adapters disabled, no grad) for the KL term."""
+        with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
+            velocity = self.ctx.velocity_fn(latents, sigma, conditioning)
+            return self.ctx.sde.step(velocity, latents, sigma, sigma_next, prev_sample=next_latents).mean
+
+    def recompute(self, traj: Trajectory, t: int):
+        """Native's forward of step ``t`` of micro-batch ``traj`` with gradients on the stored inputs."""
+        latents, next_latents = traj.latents[:, t], traj.next_latents[:, t]
+        sigma, sigma_next = traj.sigmas[:, t], traj.sigmas[:, t + 1]
+        with torch.enable_grad(), self.ctx.precision(True):
+            velocity = self.ctx.velocity_fn(latents, sigma, traj.conditioning)
+            return self.ctx.sde.step(velocity, latents, sigma, sigma_next, prev_sample=next_latents)
+
+    def step_kl(self, mean: torch.Tensor, std: torch.Tensor, latents: torch.Tensor, next_latents: torch.Tensor,
+                sigma: torch.Tensor, sigma_next: torch.Tensor, conditioning: Conditioning) -> Optional[torch.Tensor]:
+        """(B,) KL to the reference when β > 0, else None."""
+        if self.ctx.objective.kl_beta == 0.0:
+            return None
+        ref = self.reference_mean(latents, next_latents, sigma, sigma_next, conditioning)
+        return kl_value(self.ctx.sde, self.ctx.objective, mean, ref, std, sigma, sigma_next)

@@ -1,0 +1,77 @@
+"""LeanGRPO-Retain (§4.2): keep the rollout's graphs of the selected steps, no recompute.
+
+Selected steps run with gradients during the rollout; the latent is detached between steps, so each
+step's graph is its own. Each graph is kept (with the KL term when β > 0: the reference mean is computed
+right away, adapters disabled, no grad) until the group's advantages are known; then the summed objective
+−A·Σ_t log p (+ β·Σ_t KL), in the exact form of :func:`~leangrpo_mcore.schedules.base.unit_loss` with
+ρ ≡ 1, is backpropagated.
+
+That backward runs over disjoint graphs (they share only parameter leaves), and it is executed graph by
+graph in the canonical unit order shared with Native. One autograd call over all roots would compute
+the same sum but accumulate the per-graph gradients in the engine's internal order; the fixed order
+makes the accumulated gradient bitwise equal to Native's whenever the forwards are deterministic and the
+gradient sync is the same: coalesced by default (one reduce-scatter per update), or per backward (after
+each graph) to match the per-backward baseline bit for bit (``StepPlan.sync``). Memory grows with the number of kept graphs (|S| × micro-batches in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from leangrpo_mcore.diffusion.sampler import StepRecord
+from leangrpo_mcore.diffusion.trajectory import Conditioning
+from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, UnitKey, register_schedule, unit_loss
+
+
+@dataclass
+class _KeptUnit:
+    log_prob: torch.Tensor
+    """(B,) log p with its graph."""
+    kl: Optional[torch.Tensor]
+    """(B,) KL with its graph, or None."""
+    train: torch.Tensor
+    """(B,) bool."""
+
+
+@register_schedule("retain")
+class RetainSchedule(Schedule):
+    """Selected steps with grad in the rollout; one backward pass over the kept graphs per group."""
+
+    recompute_free = True
+
+    def begin_update(self, weight: float) -> None:
+        """Start an update: no graphs kept yet."""
+        super().begin_update(weight)
+        self._kept: dict[UnitKey, list[_KeptUnit]] = {}
+
+    def on_step(self, key: UnitKey, conditioning: Conditioning) -> Callable[[StepRecord], None]:
+        """Keep the graph of every trained step of micro-batch ``key``."""
+        kept = self._kept.setdefault(key, [])
+
+        def keep(record: StepRecord) -> None:
+            if not record.grad or not bool(record.train.any()):
+                return
+            kl = self.step_kl(record.sde.mean, record.sde.std, record.latents, record.next_latents,
+                              record.sigma, record.sigma_next, conditioning)
+            kept.append(_KeptUnit(log_prob=record.sde.log_prob, kl=kl, train=record.train))
+
+        return keep
+
+    def on_advantages(self, group: GroupUpdate) -> None:
+        """Backpropagate the group's kept graphs, scaled by their advantages, and free them."""
+        objective = self.ctx.objective
+        for mb, advantages in enumerate(group.advantages):
+            units = self._kept.pop((group.index, mb), [])
+            advantages = advantages.to(units[0].log_prob.device) if units else advantages
+            while units:
+                unit = units.pop(0)
+                loss, ratio = unit_loss(unit.log_prob, unit.log_prob.detach(), advantages, unit.train, self.weight,
+                                        objective, unit.kl)
+                del unit
+                with self.ctx.phase("backward"):
+                    self.ctx.grad_sync.backward(loss)
+                self.stats.add(ratio, loss)
+                del loss

@@ -1,0 +1,256 @@
+"""LeanGRPO-Reweight (§4.3, Algorithm 1): immediate backward with advantage 1, rescale when the reward arrives.
+
+Each selected step runs with gradients and is backpropagated at once, with advantage 1 and gradient
+synchronisation off, into the sample's *provisional gradient* P_i = Σ_t ∇(−w·log p_{i,t}) (kept in the
+local unsharded slot and moved out without copying). When the advantages are known each P_i is scaled by
+its A_i **before any cross-sample reduction**, the scaled sum is reduced with one coalesced
+reduce-scatter per group, and accumulated into the sharded gradients: correction → sync → accumulation.
+At ρ ≡ 1 this is the Native gradient (−A·∇log p), exactly up to float rounding.
+
+Options and exactness (never approximate silently):
+
+- ``accumulate="affine"`` (beyond the paper): within a group A_i = α·r_i + γ, so the accumulators
+  R = Σ (r_i − c)·P_i and S = Σ P_i (c = the group's first local reward, to avoid cancellation) give
+  Σ A_i·P_i = α·R + (α·c + γ)·S; each P_i is folded as soon as its own reward is known, so memory does
+  not grow with the generations per rank. Exact whenever the clamp cannot fire: |A| ≤ sqrt(M − 1) (ddof 0)
+  or (M − 1)/sqrt(M) (ddof 1) per group. :func:`plan_reweight` falls back to per-sample buffers otherwise.
+- KL (β > 0): its gradient does not scale with A_i, so it is backpropagated separately (a second backward
+  of the same graph) into an unscaled accumulator that joins the group's reduction.
+- global std: A_i = (r_i − mean_g)/(std_global + eps). When the clamp provably cannot fire, each group's
+  Σ (r_i − mean_g)·P_i is folded as soon as the group's rewards are gathered and the sum is multiplied by
+  α = 1/(std_global + eps) once at the end of the update. Otherwise the per-sample buffers are kept until
+  the whole step's rewards are known and scaled by the exact clamped advantages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from leangrpo_mcore.diffusion.sampler import StepRecord
+from leangrpo_mcore.diffusion.trajectory import Conditioning
+from leangrpo_mcore.parallel.grad_sync import LocalGrads, grads_add_
+from leangrpo_mcore.schedules.base import (
+    GroupUpdate,
+    Schedule,
+    ScheduleContext,
+    UnitKey,
+    UpdateStats,
+    kl_unit_loss,
+    register_schedule,
+    unit_loss,
+)
+
+ACCUMULATE_MODES = ("per_sample", "affine")
+_DDOF = {"flow_grpo": 0, "dance_grpo": 1}
+
+
+def max_abs_advantage(advantage: str, group_size: int, num_rewards: Optional[int] = None) -> float:
+    """Upper bound of |A| before clamping for groups of ``group_size`` (global std over ``num_rewards``)."""
+    if advantage not in _DDOF:
+        raise ValueError(f"no advantage bound for {advantage!r}; valid: {', '.join(_DDOF)}")
+    m = group_size
+    if _DDOF[advantage] == 0:
+        return math.sqrt((m - 1) * (num_rewards / m if num_rewards else 1.0))
+    return math.sqrt((m - 1) * (num_rewards - 1) / m) if num_rewards else (m - 1) / math.sqrt(m)
+
+
+@dataclass(frozen=True)
+class ReweightPlan:
+    """How Reweight accumulates for a configuration (decided before the run)."""
+
+    accumulate: str
+    """``per_sample`` or ``affine`` (after any fallback)."""
+    global_fold: bool
+    """Global std folded per group and scaled once at the end (clamp cannot fire)."""
+    note: str = ""
+    """Why a fallback happened (empty when none)."""
+
+
+def plan_reweight(accumulate: str, *, advantage: str, group_size: int, prompts_per_step: int,
+                  adv_clip_max: Optional[float], global_std: bool) -> ReweightPlan:
+    """Pick the exact accumulation for these settings; ``affine`` falls back to per-sample when clamping may fire."""
+    if accumulate not in ACCUMULATE_MODES:
+        raise ValueError(f"unknown reweight accumulation {accumulate!r}; valid: {', '.join(ACCUMULATE_MODES)}")
+    total = group_size * prompts_per_step if global_std else None
+    bound = max_abs_advantage(advantage, group_size, total)
+    safe = adv_clip_max is None or bound <= adv_clip_max
+    if safe:
+        return ReweightPlan(accumulate=accumulate, global_fold=global_std)
+    note = (f"|A| can reach {bound:.3g} > adv_clip_max {adv_clip_max}: the clamp may fire, so each sample keeps "
+            f"its own provisional gradient until its exact advantage is known")
+    return ReweightPlan(accumulate="per_sample", global_fold=False, note=note)
+
+
+def _scaled_sum(terms: list[tuple[float, LocalGrads]]) -> LocalGrads:
+    """Σ scale·grads, consuming the buffers (the first is scaled in place)."""
+    out: Optional[LocalGrads] = None
+    for scale, grads in terms:
+        if out is None:
+            out = [None if g is None else g.mul_(scale) for g in grads]
+        else:
+            out = grads_add_(out, grads, scale)
+    return out or []
+
+
+@register_schedule("reweight")
+class ReweightSchedule(Schedule):
+    """Immediate unit-advantage backward into per-sample provisional gradients, rescaled by A_i."""
+
+    recompute_free = True
+
+    def __init__(self, context: ScheduleContext, *, plan: ReweightPlan = ReweightPlan("per_sample", False)) -> None:
+        super().__init__(context)
+        self.plan = plan
+
+    def begin_update(self, weight: float) -> None:
+        """Start an update with empty accumulators."""
+        super().begin_update(weight)
+        self._partial: dict[tuple[int, int, int], LocalGrads] = {}
+        self._unit_loss: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._kl: Optional[LocalGrads] = None
+        self._affine: dict[int, list] = {}
+        self._folded: Optional[LocalGrads] = None
+        self._alpha: Optional[float] = None
+
+    # ------------------------------------------------------------------ rollout: immediate backward
+    def _backward_into(self, target: Optional[LocalGrads], loss: torch.Tensor, retain_graph: bool) -> LocalGrads:
+        sync = self.ctx.grad_sync
+        if target is not None:
+            sync.put_local(target)
+        with self.ctx.phase("backward"):
+            sync.backward_local(loss, retain_graph=retain_graph)
+        return sync.take_local()
+
+    def _track_buffers(self) -> None:
+        live = len(self._partial) + sum(2 for _ in self._affine) + (self._kl is not None) + (self._folded is not None)
+        self.stats.max_local_grad_buffers = max(self.stats.max_local_grad_buffers, live)
+
+    def on_step(self, key: UnitKey, conditioning: Conditioning) -> Callable[[StepRecord], None]:
+        """Backpropagate each trained step of micro-batch ``key`` at once, one provisional gradient per sample."""
+        objective = self.ctx.objective
+
+        def backward_now(record: StepRecord) -> None:
+            if not record.grad or not bool(record.train.any()):
+                return
+            log_prob, train = record.sde.log_prob, record.train
+            kl = self.step_kl(record.sde.mean, record.sde.std, record.latents, record.next_latents,
+                              record.sigma, record.sigma_next, conditioning)
+            if kl is not None:
+                kl_part = kl_unit_loss(kl, train, self.weight, objective)
+                self._kl = self._backward_into(self._kl, kl_part, True)
+                self.stats.losses.append(kl_part.detach())
+            rows = train.nonzero().flatten().tolist()
+            ones = torch.ones_like(log_prob.detach())
+            for n, row in enumerate(rows):
+                only = torch.zeros_like(train)
+                only[row] = True
+                loss, ratio = unit_loss(log_prob, log_prob.detach(), ones, only, self.weight, objective)
+                sample = (*key, row)
+                self._partial[sample] = self._backward_into(self._partial.get(sample), loss, n < len(rows) - 1)
+                self._unit_loss[sample] = self._unit_loss.get(sample, 0.0) + loss.detach()
+                self.stats.add(ratio)
+            self._track_buffers()
+
+        return backward_now
+
+    # ------------------------------------------------------------------ rewards and advantages
+    def on_rewards(self, key: UnitKey, rewards: torch.Tensor) -> None:
+        """Affine mode: fold each sample's P_i into the group's R and S as soon as its reward is known."""
+        if self.plan.accumulate != "affine":
+            return
+        with self.ctx.phase("sync"):
+            self._fold_affine(key, rewards)
+        self._track_buffers()
+
+    def _fold_affine(self, key: UnitKey, rewards: torch.Tensor) -> None:
+        for row, reward in enumerate(rewards.double().tolist()):
+            grads = self._partial.pop((*key, row), None)
+            if grads is None:
+                continue
+            acc = self._affine.setdefault(key[0], [reward, None, None])
+            if reward != acc[0]:
+                acc[1] = grads_add_(acc[1], grads, reward - acc[0])
+            acc[2] = grads if acc[2] is None else grads_add_(acc[2], grads)
+
+    def _group_samples(self, group: GroupUpdate) -> list[tuple[tuple[int, int, int], float]]:
+        """(sample key, local reward) of the group's samples, in micro-batch order."""
+        return [((group.index, mb, row), float(r)) for mb, rewards in enumerate(group.rewards)
+                for row, r in enumerate(rewards.double().tolist())]
+
+    def _centred_sum(self, group: GroupUpdate) -> Optional[LocalGrads]:
+        """Σ (r_i − mean_g)·P_i of the group (consumes its buffers)."""
+        if self.plan.accumulate == "affine":
+            shift, r_acc, s_acc = self._affine.pop(group.index, [0.0, None, None])
+            terms = [(1.0, r_acc)] if r_acc is not None else []
+            if s_acc is not None:
+                terms.append((shift - group.group_mean, s_acc))
+            return _scaled_sum(terms) if terms else None
+        terms = [(reward - group.group_mean, self._partial.pop(key)) for key, reward in self._group_samples(group)
+                 if key in self._partial]
+        return _scaled_sum(terms) if terms else None
+
+    def on_group_rewards(self, group: GroupUpdate) -> None:
+        """Global std, clamp impossible: fold the group's mean-corrected gradient now."""
+        if not self.plan.global_fold:
+            return
+        with self.ctx.phase("sync"):
+            centred = self._centred_sum(group)
+        if centred is not None:
+            self._folded = centred if self._folded is None else grads_add_(self._folded, centred)
+        self._track_buffers()
+
+    def _record_loss(self, group: GroupUpdate) -> None:
+        """The group's loss: Σ_i A_i · (its unit-advantage loss), without a host sync."""
+        for mb, adv in enumerate(group.advantages):
+            for row, a in enumerate(adv.tolist()):
+                unit = self._unit_loss.pop((group.index, mb, row), None)
+                if unit is not None:
+                    self.stats.losses.append(unit * a)
+
+    def on_advantages(self, group: GroupUpdate) -> None:
+        """Scale the group's provisional gradients by their advantages and reduce them (one collective)."""
+        self._record_loss(group)
+        if self.plan.global_fold:
+            self._alpha = group.alpha
+            return
+        with self.ctx.phase("sync"):  # the correction belongs to the sync stage: correction → sync → accumulation
+            self._reduce(self._corrected(group))
+
+    def _corrected(self, group: GroupUpdate) -> Optional[LocalGrads]:
+        """Σ_i A_i·P_i of the group, formed before any cross-sample reduction (consumes the buffers)."""
+        if self.plan.accumulate == "affine":
+            if group.clamp_fired:
+                raise RuntimeError("advantage clamp fired under affine accumulation (plan_reweight should prevent it)")
+            shift, r_acc, s_acc = self._affine.pop(group.index, [0.0, None, None])
+            terms = [(group.alpha, r_acc)] if r_acc is not None else []
+            if s_acc is not None:
+                terms.append((group.alpha * shift + group.gamma, s_acc))
+        else:
+            terms = [(float(a), self._partial.pop((group.index, mb, row)))
+                     for mb, adv in enumerate(group.advantages) for row, a in enumerate(adv.tolist())
+                     if (group.index, mb, row) in self._partial]
+        return _scaled_sum(terms) if terms else None
+
+    def _reduce(self, combined: Optional[LocalGrads]) -> None:
+        if self._kl is not None:
+            combined = self._kl if combined is None else grads_add_(combined, self._kl)
+            self._kl = None
+        if combined is not None:
+            self.ctx.grad_sync.reduce_local(combined)
+
+    def finish_update(self) -> UpdateStats:
+        """Apply the global α to the folded sum, reduce what is left, publish the gradients."""
+        if self._partial or self._affine:
+            raise RuntimeError("Reweight update finished with provisional gradients that never got an advantage")
+        folded, self._folded = self._folded, None
+        with self.ctx.phase("sync"):
+            if folded is not None:
+                if self._alpha is None:
+                    raise RuntimeError("global-std fold finished without the global alpha")
+                folded = _scaled_sum([(self._alpha, folded)])
+            self._reduce(folded)
+        return super().finish_update()
