@@ -1,27 +1,190 @@
-"""`leangrpo-plan`: Plan the schedule, TP/FSDP degrees and prompt-group placement for a cluster."""
+"""`leangrpo-plan`: plan the schedule, TP/FSDP/HSDP degrees and prompt-group placement for a cluster.
+
+    leangrpo-plan --model flux-dev --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80 --resolution 720 --json
+    leangrpo-plan --config yaml_configs/flux_dev/dancegrpo.yaml grpo.group_size=16 --gpus-per-node 8 --gpu-mem-gb 48
+
+Exit codes: 0 a plan, 1 nothing fits (the candidates and the reason are still printed), 2 bad input.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
-from typing import Sequence
+import textwrap
+from typing import Optional, Sequence
 
-from leangrpo_mcore.cli.common import not_implemented, run_main
+from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, load_arch
+from leangrpo_mcore.parallel.workload import PRECISIONS, GiB, Hardware, Workload
+from leangrpo_mcore.parallel.layout import DEFAULT_TEXT_TOKENS, Plan, describe_layout, plan, workload_from_config
+
+# Flags that describe the experiment: with --config they come from the YAML (use dotted overrides instead).
+WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_size", "prompts_per_step",
+                  "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale")
+DEFAULT_CFG_SCALE = {"flux": 1.0, "wan": 5.0}  # FLUX.1-dev is guidance-distilled; Wan samples with CFG 5
+MAX_TABLE_RANKS = 64
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="leangrpo-plan", description="Plan the schedule, TP/FSDP degrees and prompt-group placement for a cluster.")
-    parser.add_argument("--config", help="YAML experiment config")
-    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    return parser
+    """The argument parser of ``leangrpo-plan`` (issue 6's flags plus a few hardware knobs)."""
+    p = argparse.ArgumentParser(prog="leangrpo-plan", description="Plan the schedule, TP/FSDP/HSDP degrees and "
+                                "prompt-group placement of a run; exit 1 when nothing fits, 2 on bad input.")
+    p.add_argument("--model", help=f"{', '.join(BUILTIN_PRESETS)}, a diffusers transformer config.json / directory, "
+                                   "a leangrpo checkpoint, or a YAML experiment config")
+    p.add_argument("--config", help="YAML experiment config, planned as written")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides of --config")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default: %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node")
+    p.add_argument("--gpu-mem-gb", type=float, required=True, help="memory per GPU, GiB")
+    p.add_argument("--resolution", help="pixels: 512 or HEIGHTxWIDTH (default 512)")
+    p.add_argument("--frames", type=int, help="video frames in pixel space (default 1)")
+    p.add_argument("--num-steps", type=int, help="denoising steps T (default 16)")
+    p.add_argument("--selected-steps", type=int, help="trained steps |S| per sample (default T-1)")
+    p.add_argument("--group-size", type=int, help="generations per prompt M (default 8)")
+    p.add_argument("--prompts-per-step", type=int, help="prompt groups per optimizer step (default GPUs / M, >= 1)")
+    p.add_argument("--micro-batch", type=int, help="samples per forward (default 1)")
+    p.add_argument("--lora-rank", type=int, help="LoRA rank, 0 = full fine-tune (default 0)")
+    p.add_argument("--precision", choices=("bf16", "fp8"), help="compute precision (default bf16)")
+    p.add_argument("--activation-checkpointing", nargs="?", const="on", choices=("on", "off", "auto"),
+                   help="per-block activation checkpointing; alone means on (default auto: the planner decides)")
+    p.add_argument("--kl-beta", type=float, help="KL coefficient (default 0)")
+    p.add_argument("--cfg-scale", type=float, help="classifier-free guidance (> 1 doubles every forward; "
+                                                   "default 1 for FLUX, 5 for Wan)")
+    p.add_argument("--text-tokens", type=int, help=f"text-encoder tokens per prompt (default {DEFAULT_TEXT_TOKENS}; "
+                                                   "a YAML config's hashed text embedder: 16)")
+    hardware = (("--intra-node-gbps", 150.0, "collective bandwidth per GPU in a node, GB/s"),
+                ("--inter-node-gbps", 25.0, "collective bandwidth per GPU across nodes, GB/s"),
+                ("--gpu-tflops", 312.0, "dense bf16 TFLOP/s per GPU"),
+                ("--efficiency", 0.4, "fraction of the peak TFLOP/s reached"),
+                ("--hbm-gbps", 1500.0, "GPU memory bandwidth, GB/s"),
+                ("--overhead-gb", 1.5, "per-GPU memory outside tensors (CUDA context, NCCL, allocator), GiB"),
+                ("--reward-seconds", 0.0, "reward time per generation, s"),
+                ("--reward-mem-gb", 0.0, "memory reserved per GPU for the reward model, GiB"),
+                ("--decode-mem-gb", 0.0, "transient memory of VAE decode + reward scoring of a micro-batch, GiB"))
+    for flag, default, text in hardware:
+        p.add_argument(flag, type=float, default=default, help=f"{text} (default: {default})")
+    p.add_argument("--top", type=int, default=0, help="table: show only the N best candidates (0 = all)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (every candidate)")
+    return p
+
+
+def _resolution(text: Optional[str]) -> tuple[int, int]:
+    text = text or "512"
+    try:
+        parts = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        raise UserError(f"--resolution must be N or HEIGHTxWIDTH, got {text!r}") from None
+    if len(parts) not in (1, 2):
+        raise UserError(f"--resolution must be N or HEIGHTxWIDTH, got {text!r}")
+    return parts[0], parts[-1]
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def workload_from_args(args: argparse.Namespace, world_size: int) -> Workload:
+    """The experiment described by the command-line flags (defaults as in ``--help``)."""
+    arch = load_arch(args.model)
+    height, width = _resolution(args.resolution)
+    tokens = arch.tokens(height, width, _pick(args.frames, 1), _pick(args.text_tokens, DEFAULT_TEXT_TOKENS))
+    steps = _pick(args.num_steps, 16)
+    group = _pick(args.group_size, 8)
+    ac = {"on": True, "off": False, "auto": None}[_pick(args.activation_checkpointing, "auto")]
+    return Workload(
+        arch=arch, tokens=tokens, num_steps=steps, selected_steps=_pick(args.selected_steps, max(steps - 1, 1)),
+        group_size=group, prompts_per_step=_pick(args.prompts_per_step, max(1, world_size // group)),
+        micro_batch=_pick(args.micro_batch, 1), lora_rank=_pick(args.lora_rank, 0),
+        lora_targets=DEFAULT_LORA_TARGETS[arch.family], precision=PRECISIONS[_pick(args.precision, "bf16")],
+        activation_checkpointing=ac, kl_beta=_pick(args.kl_beta, 0.0),
+        cfg=_pick(args.cfg_scale, DEFAULT_CFG_SCALE[arch.family]) > 1.0, reward_seconds=args.reward_seconds,
+        reward_mem_bytes=int(args.reward_mem_gb * GiB), decode_bytes=int(args.decode_mem_gb * GiB))
+
+
+def _config_workload(args: argparse.Namespace, path: str) -> tuple[Workload, dict]:
+    given = [f"--{name.replace('_', '-')}" for name in WORKLOAD_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{given[0]} cannot be combined with a YAML config: use a dotted override instead")
+    from leangrpo_mcore.config import load_config
+
+    config = load_config(path, args.overrides)
+    fixed = {"tp": config.parallel.tp}
+    for key in ("dp_shard", "dp_replicate"):
+        if getattr(config.parallel, key) != "auto":
+            fixed[key] = int(getattr(config.parallel, key))
+    work = workload_from_config(config, text_tokens=args.text_tokens, reward_seconds=args.reward_seconds,
+                                reward_mem_gb=args.reward_mem_gb, decode_bytes=int(args.decode_mem_gb * GiB))
+    return work, fixed
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Hardware and workload from ``args``, then :func:`leangrpo_mcore.parallel.layout.plan`."""
+    hw = Hardware(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_bytes=int(args.gpu_mem_gb * GiB),
+                  gpu_tflops=args.gpu_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
+                  inter_node_gbps=args.inter_node_gbps, hbm_gbps=args.hbm_gbps,
+                  overhead_bytes=int(args.overhead_gb * GiB))
+    path = args.config or (args.model if args.model and args.model.endswith((".yaml", ".yml")) else None)
+    if (args.config is None) == (args.model is None):
+        raise UserError("give exactly one of --model and --config")
+    if path is None and args.overrides:
+        raise UserError(f"override {args.overrides[0]!r} needs --config")
+    work, fixed = _config_workload(args, path) if path else (workload_from_args(args, hw.world_size), {})
+    return plan(work, hw, **fixed)
+
+
+def render(result: Plan, top: int = 0) -> str:
+    """The human-readable plan: decision, reason, candidate table (``top`` best, 0 = all), placement."""
+    w = result.workload
+    lines = [f"model {w.arch.name}: {w.tokens['image']} image/video + {w.tokens['text']} text tokens, T={w.num_steps}, "
+             f"|S|={w.selected_steps}, M={w.group_size}, {w.prompts_per_step} prompt(s)/step, "
+             f"{'LoRA r=%d' % w.lora_rank if w.lora_rank else 'full fine-tune'}, {w.precision.name}"
+             f"{', CFG' if w.cfg else ''}; {result.hardware.nodes} node(s) x {result.hardware.gpus_per_node} GPUs",
+             ""]
+    head = f"schedule: {result.schedule}" if result.ok else "schedule: none (nothing fits)"
+    lines += [head] + textwrap.wrap(result.reason, 110, initial_indent="  ", subsequent_indent="  ") + [""]
+    lines.append(f"{'schedule':9}{'tp':>3}{'shard':>6}{'repl':>5}{'Q':>4}{'P':>4}{'ckpt':>5}{'peak GiB':>10}"
+                 f"{'fits':>6}{'step s':>9}  {'rollout':>8}{'recomp':>8}{'backward':>9}{'comm':>8}{'other':>7}")
+    shown = result.candidates[:top] if top > 0 else result.candidates
+    for c in shown:
+        if not c.feasible:
+            lines.append(f"{c.schedule:9}{c.layout.tp:>3}{c.layout.dp_shard:>6}{c.layout.dp_replicate:>5}  -- {c.note}")
+            continue
+        t = c.time
+        comm = t["fsdp_all_gather"] + t["tp_all_reduce"] + t["grad_sync"]
+        other = t["grad_buffers"] + t["optimizer"] + t["reward"] + t["reference_forward"]
+        lines.append(f"{c.schedule:9}{c.layout.tp:>3}{c.layout.dp_shard:>6}{c.layout.dp_replicate:>5}"
+                     f"{c.shape.generations_per_rank:>4}{c.shape.worker_groups:>4}"
+                     f"{'on' if c.activation_checkpointing else 'off':>5}{c.peak_mem_bytes / GiB:>10.1f}"
+                     f"{'yes' if c.fits else 'no':>6}{c.step_time_s:>9.1f}  {t['rollout']:>8.1f}{t['recompute']:>8.1f}"
+                     f"{t['backward']:>9.1f}{comm:>8.1f}{other:>7.1f}")
+    if len(shown) < len(result.candidates):
+        lines.append(f"... {len(result.candidates) - len(shown)} more (--top 0 shows all)")
+    if result.placement is not None:
+        pl = result.placement
+        lines += ["", f"placement ({describe_layout(result.chosen, w)}; TP groups in a node: "
+                      f"{'yes' if pl.tp_groups_intra_node else 'no'}; reward all-gather in a node: "
+                      f"{'yes' if pl.group_gather_intra_node else 'no, spans %d nodes' % pl.group_gather_nodes})",
+                  f"{'rank':>5}{'node':>5}{'local':>6}{'tp':>4}{'dp':>4}{'shard':>6}{'repl':>5}{'group':>6}  "
+                  f"generations / prompt slots"]
+        for r in pl.ranks[:MAX_TABLE_RANKS]:
+            lines.append(f"{r.rank:>5}{r.node:>5}{r.local_rank:>6}{r.tp_rank:>4}{r.dp_rank:>4}{r.dp_shard:>6}"
+                         f"{r.dp_replicate:>5}{r.worker_group:>6}  {list(r.generations)} / {list(r.prompt_slots)}")
+        if len(pl.ranks) > MAX_TABLE_RANKS:
+            lines.append(f"... {len(pl.ranks) - MAX_TABLE_RANKS} more ranks (--json lists all)")
+    return "\n".join(lines)
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    build_parser().parse_args(argv)
-    return not_implemented("leangrpo-plan", 6)
+    args = build_parser().parse_args(argv)
+    result = make_plan(args)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else render(result, args.top))
+    return 0 if result.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``leangrpo-plan``."""
     return run_main(_main, argv)
 
 

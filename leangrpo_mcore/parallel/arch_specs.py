@@ -1,0 +1,382 @@
+"""Architecture arithmetic for the layout planner: parameters, tokens and FLOPs from diffusers hyper-parameters.
+
+Pure Python. An :class:`ArchSpec` lists every linear layer of a FLUX or Wan transformer (diffusers module names,
+shapes, which token stream it runs over and how tensor parallelism splits it) plus the non-linear parameters
+(norm weights, scale-shift tables). Parameter counts, forward FLOPs, LoRA adapter sizes and TP all-reduce volumes
+all follow from that one list, so they cannot disagree with each other.
+
+Token streams: ``image`` (image / video tokens), ``text`` (text-encoder tokens), ``joint`` (both, FLUX's joint
+sequence) and ``sample`` (one row per sample: timestep / pooled-text embeddings and adaLN modulation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from leangrpo_mcore.errors import UserError
+
+FLUX_CLASS = "FluxTransformer2DModel"
+WAN_CLASS = "WanTransformer3DModel"
+
+# Published diffusers configs (config.json of the transformer subfolder) of the built-in model names.
+BUILTIN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "flux-dev": ("flux", {
+        "_class_name": FLUX_CLASS, "patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19,
+        "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+        "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
+    }),
+    "wan2.1-1.3b": ("wan", {
+        "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128,
+        "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960,
+        "num_layers": 30, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+    }),
+    "wan2.1-14b": ("wan", {
+        "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128,
+        "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824,
+        "num_layers": 40, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+    }),
+    "wan2.2-ti2v-5b": ("wan", {
+        "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 24, "attention_head_dim": 128,
+        "in_channels": 48, "out_channels": 48, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 14336,
+        "num_layers": 30, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+        "vae_scale_factor_temporal": 4, "vae_scale_factor_spatial": 16,
+    }),
+}
+
+# The families' default LoRA targets (``FAMILY.lora_targets`` of the models package; FlowGRPO's FLUX set).
+DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "flux": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+             "attn.add_v_proj", "attn.to_add_out", "ff", "ff_context"),
+    "wan": ("to_q", "to_k", "to_v", "to_out"),
+}
+
+STREAMS = ("image", "text", "joint", "sample")
+TP_MODES = ("column", "row", "replicated")
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One linear layer: module name (as in the policy), shape, the tokens it runs over and its TP split."""
+
+    name: str
+    in_features: int
+    out_features: int
+    stream: str
+    tp: str = "replicated"
+    bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stream not in STREAMS or self.tp not in TP_MODES:
+            raise UserError(f"linear {self.name}: stream {self.stream!r} / tp {self.tp!r} not in "
+                            f"{STREAMS} / {TP_MODES}")
+
+    @property
+    def params(self) -> int:
+        """Weight plus bias elements."""
+        return self.in_features * self.out_features + (self.out_features if self.bias else 0)
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """A kind of transformer block and how many of it the model stacks."""
+
+    kind: str
+    count: int
+    linears: tuple[LinearSpec, ...]
+    norm_params: int
+    """Non-linear parameters per block that TP replicates (per-head norms, scale-shift tables, affine norms)."""
+    tp_norm_params: int
+    """Non-linear parameters per block that TP shards (Wan's q/k RMSNorm across all heads)."""
+    attention: tuple[tuple[str, str], ...]
+    """(query stream, key/value stream) of each attention in the block."""
+    mlp_dim: int
+    """Hidden width of the block's MLP (for the activation model)."""
+    stream: str
+    """The token stream of the block's residual (joint for FLUX, image for Wan)."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """A FLUX or Wan transformer as the planner sees it."""
+
+    family: str
+    name: str
+    config: dict
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    latent_channels: int
+    spatial_stride: int
+    """Pixels per token side (FLUX 16: VAE 8 x 2x2 packing; Wan VAE stride x patch)."""
+    temporal_stride: int
+    """Pixel frames per latent frame (Wan's VAE: 4; images: 1)."""
+    temporal_patch: int
+    vae_stride: int
+    """Pixels per latent pixel of the paired VAE."""
+    root: tuple[LinearSpec, ...]
+    root_norm_params: int
+    blocks: tuple[BlockSpec, ...]
+
+    @property
+    def num_layers(self) -> int:
+        """Transformer blocks of every kind."""
+        return sum(b.count for b in self.blocks)
+
+    def tokens(self, height: int, width: int, frames: int = 1, text_tokens: int = 512) -> dict[str, int]:
+        """Tokens per sample of each stream (``image``, ``text``, ``joint``, ``sample``) at a resolution."""
+        if height <= 0 or width <= 0 or frames <= 0 or text_tokens < 0:
+            raise UserError(f"resolution {height}x{width}x{frames} and text tokens {text_tokens} must be positive")
+        s = self.spatial_stride
+        if height % s or width % s:
+            raise UserError(f"{self.name}: height and width must be multiples of {s}, got {height}x{width}")
+        if self.family == "flux" and frames != 1:
+            raise UserError(f"{self.name} is an image model: frames must be 1, got {frames}")
+        if (frames - 1) % self.temporal_stride:
+            raise UserError(f"{self.name}: frames must be 1 + a multiple of {self.temporal_stride}, got {frames}")
+        latent_frames = (frames - 1) // self.temporal_stride + 1
+        if latent_frames % self.temporal_patch:
+            raise UserError(f"{self.name}: {latent_frames} latent frames do not split into patches of "
+                            f"{self.temporal_patch}")
+        image = (latent_frames // self.temporal_patch) * (height // s) * (width // s)
+        return {"image": image, "text": text_tokens, "joint": image + text_tokens, "sample": 1}
+
+    def latent_elements(self, tokens: dict[str, int]) -> int:
+        """Elements of one sample's latent (what a trajectory stores per step)."""
+        patch_volume = self.temporal_patch * (self.spatial_stride // self.vae_stride) ** 2
+        return tokens["image"] * patch_volume * self.latent_channels
+
+
+def _linear_params(linears: tuple[LinearSpec, ...], part: Optional[str] = None) -> int:
+    """All linear parameters, or only the TP-``sharded`` / ``replicated`` part of them.
+
+    Column-parallel layers shard weight and bias; row-parallel ones shard the weight and add a full bias once.
+    """
+    total = 0
+    for lin in linears:
+        sharded = {"column": lin.params, "row": lin.in_features * lin.out_features}.get(lin.tp, 0)
+        total += {None: lin.params, "sharded": sharded, "replicated": lin.params - sharded}[part]
+    return total
+
+
+def param_counts(arch: ArchSpec) -> dict[str, int]:
+    """Parameters: ``total``, ``tp_sharded`` (split by TP) and ``replicated`` (full copy on every TP rank)."""
+    sharded = _linear_params(arch.root, "sharded")
+    sharded += sum(b.count * (_linear_params(b.linears, "sharded") + b.tp_norm_params) for b in arch.blocks)
+    replicated = _linear_params(arch.root, "replicated") + arch.root_norm_params
+    replicated += sum(b.count * (_linear_params(b.linears, "replicated") + b.norm_params) for b in arch.blocks)
+    return {"total": sharded + replicated, "tp_sharded": sharded, "replicated": replicated}
+
+
+def params_per_rank(arch: ArchSpec, tp: int) -> int:
+    """Parameters a TP rank holds before FSDP sharding (its slice of the sharded ones plus the replicated ones)."""
+    counts = param_counts(arch)
+    return -(-counts["tp_sharded"] // tp) + counts["replicated"]
+
+
+def largest_block_params(arch: ArchSpec, tp: int) -> int:
+    """Parameters of the largest block on one TP rank (what one FSDP all-gather unshards at once)."""
+    best = 0
+    for b in arch.blocks:
+        sharded = _linear_params(b.linears, "sharded") + b.tp_norm_params
+        best = max(best, -(-sharded // tp) + _linear_params(b.linears, "replicated") + b.norm_params)
+    return best
+
+
+def _target_matches(name: str, target: str) -> bool:
+    """True when ``target`` is a whole dotted segment run of ``name`` (``ff`` matches ``ff.net.2``, not ``ffn``)."""
+    padded, needle = f".{name}.", f".{target.strip('.')}."
+    return needle in padded
+
+
+def lora_params(arch: ArchSpec, rank: int, targets: tuple[str, ...]) -> dict[str, int]:
+    """Adapter parameters of rank ``rank`` on every block linear matched by ``targets``: total and TP-sharded."""
+    if rank < 0:
+        raise UserError(f"LoRA rank must be >= 0, got {rank}")
+    total = sharded = 0
+    for block in arch.blocks:
+        for lin in block.linears:
+            if rank and any(_target_matches(lin.name, t) for t in targets):
+                total += block.count * rank * (lin.in_features + lin.out_features)
+                # A column-parallel base shards B (out side); a row-parallel base shards A (in side).
+                if lin.tp == "column":
+                    sharded += block.count * rank * lin.out_features
+                elif lin.tp == "row":
+                    sharded += block.count * rank * lin.in_features
+    return {"total": total, "tp_sharded": sharded, "replicated": total - sharded}
+
+
+def lora_params_per_rank(arch: ArchSpec, rank: int, targets: tuple[str, ...], tp: int) -> int:
+    """Adapter parameters one TP rank holds."""
+    counts = lora_params(arch, rank, targets)
+    return -(-counts["tp_sharded"] // tp) + counts["replicated"]
+
+
+def forward_flops(arch: ArchSpec, tokens: dict[str, int], tp: int = 1) -> dict[str, float]:
+    """FLOPs of one forward of one sample on one TP rank: ``linear`` (matmuls) and ``attention`` (QK^T and PV).
+
+    A multiply-add is 2 FLOPs. TP splits the sharded linears and the attention heads; replicated linears
+    (embeddings, adaLN modulation, output projection) run in full on every TP rank.
+    """
+    def matmuls(linears: tuple[LinearSpec, ...]) -> float:
+        return sum(2.0 * lin.in_features * lin.out_features * tokens[lin.stream] / (1 if lin.tp == "replicated"
+                   else tp) for lin in linears)
+
+    linear = matmuls(arch.root) + sum(b.count * matmuls(b.linears) for b in arch.blocks)
+    attention = 0.0
+    for b in arch.blocks:
+        for q_stream, kv_stream in b.attention:
+            attention += b.count * 4.0 * tokens[q_stream] * tokens[kv_stream] * arch.hidden_size / tp
+    return {"linear": linear, "attention": attention}
+
+
+def tp_allreduce_elements(arch: ArchSpec, tokens: dict[str, int]) -> int:
+    """Elements all-reduced over the TP group in one forward of one sample (outputs of row-parallel linears)."""
+    layers = [(1, lin) for lin in arch.root] + [(b.count, lin) for b in arch.blocks for lin in b.linears]
+    return sum(count * lin.out_features * tokens[lin.stream] for count, lin in layers if lin.tp == "row")
+
+
+def _lin(name: str, fan_in: int, fan_out: int, stream: str, tp: str = "replicated") -> LinearSpec:
+    return LinearSpec(name=name, in_features=fan_in, out_features=fan_out, stream=stream, tp=tp)
+
+
+def flux_spec(config: dict, name: str = "flux") -> ArchSpec:
+    """The :class:`ArchSpec` of a diffusers ``FluxTransformer2DModel`` config (missing keys: diffusers defaults)."""
+    c = {"patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19, "num_single_layers": 38,
+         "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+         "pooled_projection_dim": 768, "guidance_embeds": False, **config}
+    heads, head_dim = int(c["num_attention_heads"]), int(c["attention_head_dim"])
+    d, p = heads * head_dim, int(c["patch_size"])
+    in_ch, out_ch = int(c["in_channels"]), int(c["out_channels"] or c["in_channels"])
+    mlp = 4 * d  # diffusers fixes mlp_ratio = 4 in both block kinds
+    root = [_lin("x_embedder", in_ch, d, "image"), _lin("context_embedder", int(c["joint_attention_dim"]), d, "text"),
+            _lin("time_text_embed.timestep_embedder.linear_1", 256, d, "sample"),
+            _lin("time_text_embed.timestep_embedder.linear_2", d, d, "sample"),
+            _lin("time_text_embed.text_embedder.linear_1", int(c["pooled_projection_dim"]), d, "sample"),
+            _lin("time_text_embed.text_embedder.linear_2", d, d, "sample"),
+            _lin("norm_out.linear", d, 2 * d, "sample"), _lin("proj_out", d, p * p * out_ch, "image")]
+    if c["guidance_embeds"]:
+        root += [_lin("time_text_embed.guidance_embedder.linear_1", 256, d, "sample"),
+                 _lin("time_text_embed.guidance_embedder.linear_2", d, d, "sample")]
+    double = [_lin("norm1.linear", d, 6 * d, "sample"), _lin("norm1_context.linear", d, 6 * d, "sample")]
+    for proj in ("to_q", "to_k", "to_v"):
+        double.append(_lin(f"attn.{proj}", d, d, "image", "column"))
+    for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
+        double.append(_lin(f"attn.{proj}", d, d, "text", "column"))
+    double += [_lin("attn.to_out.0", d, d, "image", "row"), _lin("attn.to_add_out", d, d, "text", "row"),
+               _lin("ff.net.0.proj", d, mlp, "image", "column"), _lin("ff.net.2", mlp, d, "image", "row"),
+               _lin("ff_context.net.0.proj", d, mlp, "text", "column"),
+               _lin("ff_context.net.2", mlp, d, "text", "row")]
+    single = [_lin("norm.linear", d, 3 * d, "sample")]
+    single += [_lin(f"attn.{proj}", d, d, "joint", "column") for proj in ("to_q", "to_k", "to_v")]
+    single += [_lin("proj_mlp", d, mlp, "joint", "column"), _lin("proj_out", d + mlp, d, "joint", "row")]
+    blocks = (
+        BlockSpec("double", int(c["num_layers"]), tuple(double), norm_params=4 * head_dim, tp_norm_params=0,
+                  attention=(("joint", "joint"),), mlp_dim=mlp, stream="joint"),
+        BlockSpec("single", int(c["num_single_layers"]), tuple(single), norm_params=2 * head_dim, tp_norm_params=0,
+                  attention=(("joint", "joint"),), mlp_dim=mlp, stream="joint"),
+    )
+    return ArchSpec(family="flux", name=name, config=dict(c), hidden_size=d, num_heads=heads, head_dim=head_dim,
+                    latent_channels=in_ch // 4, spatial_stride=16 * p, temporal_stride=1, temporal_patch=1,
+                    vae_stride=8, root=tuple(root), root_norm_params=0, blocks=blocks)
+
+
+def wan_spec(config: dict, name: str = "wan") -> ArchSpec:
+    """The :class:`ArchSpec` of a diffusers ``WanTransformer3DModel`` config (missing keys: diffusers defaults)."""
+    c = {"patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
+         "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
+         "cross_attn_norm": True, **config}
+    for key in ("image_dim", "added_kv_proj_dim"):
+        if c.get(key) is not None:
+            raise UserError(f"{name}: Wan image conditioning ({key}) is not supported by the planner")
+    heads, head_dim = int(c["num_attention_heads"]), int(c["attention_head_dim"])
+    d, ffn = heads * head_dim, int(c["ffn_dim"])
+    pt, ph, pw = (int(v) for v in c["patch_size"])
+    if ph != pw:
+        raise UserError(f"{name}: the planner needs a square spatial patch, got {c['patch_size']}")
+    in_ch, out_ch = int(c["in_channels"]), int(c["out_channels"] or c["in_channels"])
+    vae_s = int(c.get("vae_scale_factor_spatial") or (16 if in_ch == 48 else 8))
+    vae_t = int(c.get("vae_scale_factor_temporal") or 4)
+    volume = pt * ph * pw
+    root = (_lin("patch_embedding", in_ch * volume, d, "image"),
+            _lin("condition_embedder.time_embedder.linear_1", int(c["freq_dim"]), d, "sample"),
+            _lin("condition_embedder.time_embedder.linear_2", d, d, "sample"),
+            _lin("condition_embedder.time_proj", d, 6 * d, "sample"),
+            _lin("condition_embedder.text_embedder.linear_1", int(c["text_dim"]), d, "text", "column"),
+            _lin("condition_embedder.text_embedder.linear_2", d, d, "text", "row"),
+            _lin("proj_out", d, out_ch * volume, "image"))
+    block = [_lin(f"attn1.{proj}", d, d, "image", "column") for proj in ("to_q", "to_k", "to_v")]
+    block += [_lin("attn1.to_out", d, d, "image", "row"), _lin("attn2.to_q", d, d, "image", "column"),
+              _lin("attn2.to_k", d, d, "text", "column"), _lin("attn2.to_v", d, d, "text", "column"),
+              _lin("attn2.to_out", d, d, "image", "row"), _lin("ffn.fc1", d, ffn, "image", "column"),
+              _lin("ffn.fc2", ffn, d, "image", "row")]
+    norm = 6 * d + (2 * d if c["cross_attn_norm"] else 0)  # scale-shift table + affine cross-attention norm
+    blocks = (BlockSpec("wan", int(c["num_layers"]), tuple(block), norm_params=norm, tp_norm_params=4 * d,
+                        attention=(("image", "image"), ("image", "text")), mlp_dim=ffn, stream="image"),)
+    return ArchSpec(family="wan", name=name, config=dict(c), hidden_size=d, num_heads=heads,
+                    head_dim=head_dim, latent_channels=in_ch, spatial_stride=vae_s * ph, temporal_stride=vae_t,
+                    temporal_patch=pt, vae_stride=vae_s, root=root, root_norm_params=2 * d, blocks=blocks)
+
+
+def arch_from_config(family: str, config: dict, name: Optional[str] = None) -> ArchSpec:
+    """Build the spec of ``family`` ("flux" or "wan") from a diffusers-style config dict."""
+    if not isinstance(config, dict):
+        raise UserError(f"a model config must be a mapping, got {type(config).__name__}")
+    if family == "flux":
+        return flux_spec(config, name or "flux")
+    if family == "wan":
+        return wan_spec(config, name or "wan")
+    raise UserError(f"unknown model family {family!r} (expected flux or wan)")
+
+
+def family_of_class(class_name: Optional[str]) -> str:
+    """The family of a diffusers ``_class_name``."""
+    if class_name == FLUX_CLASS:
+        return "flux"
+    if class_name == WAN_CLASS:
+        return "wan"
+    raise UserError(f"cannot plan for model class {class_name!r} (expected {FLUX_CLASS} or {WAN_CLASS})")
+
+
+def load_arch(model: str) -> ArchSpec:
+    """A built-in model name, a diffusers ``config.json`` / transformer directory, or a leangrpo checkpoint."""
+    if model in BUILTIN_PRESETS:
+        family, config = BUILTIN_PRESETS[model]
+        return arch_from_config(family, config, model)
+    path = model
+    if os.path.isdir(path):
+        ours = os.path.join(path, "leangrpo_model.json")
+        if os.path.isfile(ours):
+            meta = _read_json(ours)
+            return arch_from_config(str(meta.get("family")), meta.get("config") or {}, os.path.basename(path))
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"unknown model {model!r}: not one of {sorted(BUILTIN_PRESETS)} and no config file there")
+    config = _read_json(path)
+    return arch_from_config(family_of_class(config.get("_class_name")), config, os.path.basename(model.rstrip("/")))
+
+
+def preset_config(family: str, preset: str) -> dict:
+    """The diffusers-style config of a named preset: built-in ones here, others from the models package."""
+    if preset in BUILTIN_PRESETS and BUILTIN_PRESETS[preset][0] == family:
+        return dict(BUILTIN_PRESETS[preset][1])
+    # Imported lazily: the models package pulls in torch and megatron-core, which the planner avoids otherwise.
+    from leangrpo_mcore.models import get_family
+
+    presets = get_family(family).presets
+    if preset not in presets:
+        raise UserError(f"unknown {family} preset {preset!r} (known: {sorted(presets)})")
+    return dict(presets[preset])
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read model config {path}: {err}") from err
+    if not isinstance(data, dict):
+        raise UserError(f"model config {path} is not a JSON object")
+    return data

@@ -1,0 +1,301 @@
+"""Memory and time model of one optimizer step per rank, for each schedule and parallel layout (pure Python).
+
+Memory (bytes per GPU) is the maximum over the phases of a step (rollout, the schedule's update, gradient sync,
+optimizer step) of the tensors alive in that phase: sharded weights / gradients / optimizer state (FSDP divides
+them by ``dp_shard``, TP by ``tp`` for the head-parallel layers), the gathered working parameters, activations
+from the calibrated fit (:mod:`leangrpo_mcore.parallel.activations`), Reweight's unsharded provisional gradients,
+the rollout's working set and trajectory store, and fixed reservations (reward model, CUDA/NCCL overhead).
+
+Time (seconds per optimizer step) adds compute (FLOPs over the GPU rate times an efficiency), FSDP all-gathers,
+TP all-reduces, gradient reduce-scatters (+ HSDP all-reduce across replicas), Reweight's gradient-buffer traffic,
+the optimizer and the reward. Communication is counted as exposed (not overlapped): a pessimistic model that
+ranks layouts the way the paper's measurements do (per-backward syncs are what coalescing removes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel import activations as act
+from leangrpo_mcore.parallel.arch_specs import (
+    forward_flops,
+    largest_block_params,
+    lora_params_per_rank,
+    params_per_rank,
+    tp_allreduce_elements,
+)
+from leangrpo_mcore.parallel.workload import SCHEDULES, Hardware, Layout, Shape, Workload, sample_shape
+
+
+def max_selected_that_fit(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> int:
+    """The most selected steps ``schedule`` fits in memory (all of them when memory is unlimited)."""
+    if hw.gpu_mem_bytes is None:
+        return work.selected_steps
+    best = 0
+    for steps in range(1, work.selected_steps + 1):
+        trial = replace(work, selected_steps=steps)
+        if peak_memory(trial, hw, layout, schedule, ac)[0] > hw.gpu_mem_bytes:
+            break
+        best = steps
+    return best
+
+
+def _reweight_buffers(work: Workload, shape: Shape) -> int:
+    """Unsharded gradient buffers Reweight keeps at once (see ``schedules/reweight.py``)."""
+    q, b = shape.generations_per_rank, shape.micro_batch
+    live = min(q, b + 2) if work.reweight_accumulate == "affine" else q
+    return live + (1 if work.kl_beta > 0 else 0)  # KL: a separate unscaled accumulator
+
+
+def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dict[str, int]:
+    """Every memory term (bytes per GPU) the phases combine, and the counts that scale them."""
+    arch, prec, s, shape = work.arch, work.precision, layout.dp_shard, sample_shape(work, layout)
+    params = params_per_rank(arch, layout.tp)
+    trainable = params if work.full_finetune else lora_params_per_rank(
+        arch, work.lora_rank, work.lora_targets, layout.tp)
+    frozen = 0 if work.full_finetune else params
+    opt_bytes = {"adamw": 2 * prec.storage_bytes, "sgd": prec.storage_bytes if work.momentum else 0}[work.optimizer]
+    root = sum(lin.params for lin in arch.root)
+    gathered = params if not work.reshard_after_forward else 2 * largest_block_params(arch, layout.tp) + root
+    # FSDP2 stages one block's unsharded gradient before reducing it; without FSDP (one data-parallel rank) the
+    # forward uses the stored parameters and backward writes straight into their gradients.
+    block_grad = largest_block_params(arch, layout.tp) * prec.buffer_bytes if layout.dp > 1 else 0
+    if layout.dp == 1:
+        gathered = 0
+    cfg = 2 if work.cfg else 1
+    batch = shape.micro_batch * cfg
+    dtype = 2 if prec.compute_bytes <= 2 else 4
+    per_sample_step = act.saved_bytes(arch, work.tokens, batch=cfg, dtype_bytes=dtype, checkpointing=ac)
+    working = act.working_bytes(arch, work.tokens, batch=batch, dtype_bytes=prec.compute_bytes)
+    recompute = act.block_saved_bytes(arch, work.tokens, batch=batch, dtype_bytes=dtype) if ac else 0
+    text_width = next(lin.in_features for lin in arch.root if lin.stream == "text")
+    # A trajectory keeps fp32 latents for every step (ALGORITHMS.md §7) and the prompt's text embeddings.
+    trajectory = 4 * (work.num_steps + 1) * arch.latent_elements(work.tokens) * cfg
+    trajectory += work.tokens["text"] * text_width * prec.compute_bytes
+    return {
+        "weights": math.ceil((trainable * prec.storage_bytes + frozen * prec.compute_bytes) / s),
+        "optimizer_temporaries": math.ceil((trainable if work.foreach_optimizer else _largest_weight(arch))
+                                           * prec.storage_bytes / s),
+        "optimizer": math.ceil(trainable * opt_bytes / s),
+        "grads": math.ceil(trainable * prec.grad_bytes / s),
+        "gathered_params": gathered * prec.compute_bytes,
+        "reference": math.ceil(params * prec.compute_bytes / s) if work.kl_beta > 0 and work.full_finetune else 0,
+        "reserved": hw.overhead_bytes + work.reward_mem_bytes,
+        "activations_step": per_sample_step * shape.micro_batch,
+        "activations_sample_step": per_sample_step,
+        "backward_transient": recompute + working + block_grad,
+        "rollout_working": working,
+        "decode": work.decode_bytes,
+        "trajectory": trajectory,
+        "gradient_buffer": trainable * prec.buffer_bytes,
+        "buffers": _reweight_buffers(work, shape),
+        "samples": shape.samples,
+        "generations_per_rank": shape.generations_per_rank,
+        "groups_per_rank": shape.groups_per_rank,
+    }
+
+
+def _largest_weight(arch) -> int:
+    """Elements of the largest single weight matrix (bounds a one-parameter-at-a-time optimizer's temporaries)."""
+    return max(lin.in_features * lin.out_features for lin in arch.root + sum((b.linears for b in arch.blocks), ()))
+
+
+def _coalesced(work: Workload, schedule: str) -> bool:
+    """Whether ``schedule`` accumulates unsharded gradients and syncs later (``engine.step`` sync modes)."""
+    return schedule != "native" or work.coalesce_sync
+
+
+def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> dict[str, dict]:
+    """Bytes per GPU of each term alive in each phase of a step under ``schedule``.
+
+    Follows the project's schedules: Native syncs per backward (sharded gradients only) unless coalesced;
+    Retain and coalesced Native accumulate one unsharded gradient with FSDP2 sync off and reduce it once per
+    update; Reweight keeps one provisional gradient per in-flight sample (+1 KL accumulator) and reduces
+    each group's scaled sum into the sharded gradients.
+    """
+    if schedule not in SCHEDULES:
+        raise UserError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
+    m = _memory_terms(work, hw, layout, ac)
+    base = {k: m[k] for k in ("weights", "optimizer", "gathered_params", "reference", "reserved")}
+    unsharded = m["gradient_buffer"] if _coalesced(work, schedule) else 0
+    sharded = 0 if _coalesced(work, schedule) else m["grads"]
+    trajectories = m["trajectory"] * (m["samples"] if schedule == "native" else 1)
+    phases = {
+        "rollout": {**base, "trajectories": trajectories, "rollout_working": m["rollout_working"]},
+        "optimizer_step": {"weights": m["weights"], "optimizer": m["optimizer"], "grads": m["grads"],
+                           "reserved": m["reserved"], "optimizer_temporaries": m["optimizer_temporaries"]},
+    }
+    if _coalesced(work, schedule) or work.updates_per_rollout > 1:
+        # Reducing the unsharded gradient into the sharded one holds both; one data-parallel rank just moves it.
+        staged = m["gradient_buffer"] if layout.dp > 1 else 0
+        phases["gradient_sync"] = {**base, "grads": m["grads"], "unsharded_grads": staged}
+    if schedule == "native" or work.updates_per_rollout > 1:
+        phases["native_update"] = {
+            **base, "grads": sharded, "unsharded_grads": unsharded, "trajectories": m["trajectory"] * m["samples"],
+            "activations": m["activations_step"], "backward_transient": m["backward_transient"]}
+    if schedule == "retain":
+        graphs = work.selected_steps * m["generations_per_rank"]
+        phases["retain_graphs"] = {
+            **base, "unsharded_grads": unsharded, "trajectories": trajectories,
+            "activations": m["activations_sample_step"] * graphs,
+            "backward_transient": max(m["backward_transient"], m["rollout_working"])}
+    if schedule == "reweight":
+        earlier = m["grads"] if m["groups_per_rank"] > 1 else 0  # sharded sums of the step's earlier groups
+        phases["provisional_gradients"] = {
+            **base, "grads": earlier, "trajectories": trajectories,
+            "provisional_grads": m["gradient_buffer"] * m["buffers"],
+            "activations": m["activations_step"], "backward_transient": m["backward_transient"]}
+    phases["reward"] = _reward_phase(m, base, schedule, work.selected_steps, trajectories, unsharded)
+    return phases
+
+
+def _reward_phase(m: dict, base: dict, schedule: str, steps: int, trajectories: int, unsharded: int) -> dict:
+    """Decoding and scoring a micro-batch while the schedule still holds its trajectories, graphs or buffers."""
+    later_group = m["groups_per_rank"] > 1  # buffers of the step's earlier groups already exist
+    held = {"native": {},
+            "retain": {"activations": m["activations_sample_step"] * steps * m["generations_per_rank"],
+                       "unsharded_grads": unsharded if later_group else 0},
+            "reweight": {"provisional_grads": m["gradient_buffer"] * m["buffers"],
+                         "grads": m["grads"] if later_group else 0}}[schedule]
+    return {**base, **held, "trajectories": trajectories, "decode": m["decode"]}
+
+
+def peak_memory(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> tuple[int, str, dict]:
+    """(peak bytes per GPU, the phase where it occurs, that phase's terms)."""
+    phases = memory_phases(work, hw, layout, schedule, ac)
+    name = max(phases, key=lambda p: sum(phases[p].values()))
+    return sum(phases[name].values()), name, phases[name]
+
+
+@dataclass(frozen=True)
+class _Rates:
+    forward: float
+    backward: float
+    tp_per_pass: float
+
+
+def _rates(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> _Rates:
+    """Seconds of one forward and one backward of one sample (CFG included), and of its TP all-reduces."""
+    flops = forward_flops(work.arch, work.tokens, layout.tp)
+    cfg = 2 if work.cfg else 1
+    rate = hw.gpu_tflops * 1e12 * hw.efficiency
+    linear = cfg * flops["linear"] / (rate * work.precision.matmul_speedup)
+    attention = cfg * flops["attention"] / rate
+    # Backward: input gradients (1x) + weight gradients (1x, frozen LoRA bases skip theirs); attention 2x.
+    backward = (2.0 if work.full_finetune else 1.0) * linear + 2.0 * attention + (linear + attention if ac else 0.0)
+    elems = tp_allreduce_elements(work.arch, work.tokens) * cfg
+    tp_bytes = 2.0 * (layout.tp - 1) / layout.tp * elems * work.precision.compute_bytes
+    return _Rates(linear + attention, backward, tp_bytes / (hw.intra_node_gbps * 1e9))
+
+
+def _sync_seconds(work: Workload, hw: Hardware, layout: Layout, trainable: int) -> float:
+    """One gradient synchronisation: reduce-scatter in the node, all-reduce of the shard across replicas."""
+    payload = trainable * work.precision.buffer_bytes
+    s, r = layout.dp_shard, layout.dp_replicate
+    seconds = (s - 1) / s * payload / (hw.intra_node_gbps * 1e9)
+    replica_bw = hw.inter_node_gbps if hw.nodes > 1 else hw.intra_node_gbps
+    return seconds + 2.0 * (r - 1) / r * payload / s / (replica_bw * 1e9)
+
+
+def _sync_count(work: Workload, shape: Shape, schedule: str) -> float:
+    """Gradient synchronisations per step (``engine.step`` sync modes; later updates are Native)."""
+    later = (work.updates_per_rollout - 1) * (1 if _coalesced(work, schedule) else shape.micro_batches
+                                             * work.selected_steps)
+    if schedule == "reweight":
+        return shape.groups_per_rank + later  # one reduce-scatter of each group's scaled sum
+    if _coalesced(work, schedule):
+        return 1 + later  # Retain, coalesced Native: one reduce-scatter per update
+    return shape.micro_batches * work.selected_steps + later  # Native: every backward, like the baselines
+
+
+def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> dict[str, float]:
+    """Seconds per optimizer step by component (the sum is the step time)."""
+    shape = sample_shape(work, layout)
+    rates, n, mb = _rates(work, hw, layout, ac), shape.samples, shape.micro_batches
+    steps, extra = work.selected_steps, work.updates_per_rollout - 1
+    kl = work.kl_beta > 0
+    trainable = params_per_rank(work.arch, layout.tp) if work.full_finetune else lora_params_per_rank(
+        work.arch, work.lora_rank, work.lora_targets, layout.tp)
+    forwards = work.num_steps + steps * ((1 if schedule == "native" else 0) + extra + (1 if kl else 0))
+    backwards = steps * (1 + extra + (1 if kl and schedule == "reweight" else 0))  # Reweight: 2nd KL backward
+    params = params_per_rank(work.arch, layout.tp) * work.precision.compute_bytes
+    gather = (layout.dp_shard - 1) / layout.dp_shard * params / (hw.intra_node_gbps * 1e9)
+    gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
+    grad_bytes = trainable * work.precision.buffer_bytes
+    # Unsharded accumulation reads and writes the buffer once per backward; Reweight also scales and sums
+    # its Q per-sample buffers once per group.
+    passes = 3 * max(mb * backwards - 1, 0) if _coalesced(work, schedule) else 0
+    if schedule == "reweight":
+        passes += shape.groups_per_rank * (shape.generations_per_rank + 1)
+    buffer_traffic = passes * grad_bytes / (hw.hbm_gbps * 1e9)
+    optimizer_bytes = trainable / layout.dp_shard * (4 * work.precision.storage_bytes + work.precision.grad_bytes)
+    return {
+        "rollout": n * work.num_steps * rates.forward,
+        "recompute": n * steps * rates.forward * ((1 if schedule == "native" else 0) + extra),
+        "reference_forward": n * steps * rates.forward if kl else 0.0,
+        "backward": n * backwards * rates.backward,
+        "fsdp_all_gather": gathers * gather,
+        "tp_all_reduce": n * (forwards + backwards) * rates.tp_per_pass,
+        "grad_sync": _sync_count(work, shape, schedule) * _sync_seconds(work, hw, layout, trainable),
+        "grad_buffers": buffer_traffic,
+        "optimizer": work.updates_per_rollout * optimizer_bytes / (hw.hbm_gbps * 1e9),
+        "reward": n * work.reward_seconds,
+    }
+
+
+@dataclass
+class Estimate:
+    """Predicted peak memory and step time of one (schedule, layout, checkpointing) choice."""
+
+    schedule: str
+    layout: Layout
+    activation_checkpointing: bool
+    shape: Optional[Shape]
+    peak_mem_bytes: int = 0
+    peak_phase: str = ""
+    memory: dict = field(default_factory=dict)
+    time: dict = field(default_factory=dict)
+    fits: bool = False
+    feasible: bool = True
+    note: str = ""
+    max_selected_steps: Optional[int] = None
+    details: dict = field(default_factory=dict)
+    """Sizes behind the peak: activations per step, provisional-gradient bytes, gradient buffers."""
+    phases: dict = field(default_factory=dict)
+    """Every phase's terms (bytes), of which ``memory`` is the peak one."""
+
+    @property
+    def step_time_s(self) -> float:
+        """Predicted seconds per optimizer step."""
+        return sum(self.time.values())
+
+    def peak_excluding(self, *terms: str) -> int:
+        """The peak over phases without ``terms`` (e.g. what already exists when a meter starts measuring:
+        ``peak_excluding("weights", "optimizer", "reserved")`` for a step after the first)."""
+        return max(sum(v for k, v in phase.items() if k not in terms) for phase in self.phases.values())
+
+
+def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> Estimate:
+    """Memory and time of one choice; an infeasible layout gets ``feasible=False`` and the reason."""
+    try:
+        shape = sample_shape(work, layout)
+    except UserError as err:
+        return Estimate(schedule, layout, ac, None, feasible=False, note=str(err))
+    phases = memory_phases(work, hw, layout, schedule, ac)
+    phase = max(phases, key=lambda p: sum(phases[p].values()))
+    est = Estimate(schedule, layout, ac, shape, peak_mem_bytes=sum(phases[phase].values()), peak_phase=phase,
+                   memory=phases[phase], time=step_time(work, hw, layout, schedule, ac), phases=phases)
+    est.fits = hw.gpu_mem_bytes is None or est.peak_mem_bytes <= hw.gpu_mem_bytes
+    terms = _memory_terms(work, hw, layout, ac)
+    est.details = {"activations_per_step_bytes": terms["activations_step"],
+                   "gradient_bytes": terms["gradient_buffer"],
+                   "provisional_grad_bytes": terms["gradient_buffer"] * terms["buffers"] if schedule == "reweight"
+                   else 0}
+    if schedule == "retain":
+        est.max_selected_steps = max_selected_that_fit(work, hw, layout, schedule, ac)
+    if shape.idle_fraction > 0:
+        est.note = f"{shape.idle_fraction:.0%} of the worker-group slots idle"
+    return est

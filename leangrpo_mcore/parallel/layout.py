@@ -1,0 +1,345 @@
+"""The layout planner: pick the schedule, TP / FSDP / HSDP degrees and the placement of prompt groups.
+
+Pure Python (no torch.distributed). Candidates are every TP size dividing both the attention heads and the GPUs
+per node, every FSDP shard degree filling part or all of the rest of a node, HSDP replicas across the remaining
+GPUs, each schedule (Native, Retain, Reweight) and, unless the experiment fixes it, activation checkpointing on
+and off. :mod:`leangrpo_mcore.parallel.cost_model` predicts each candidate's peak memory and step time; the
+fastest that fits wins, and the plan explains the choice against the best of the other schedules. When nothing
+fits the plan refuses, naming the smallest peak and what dominates it.
+
+:func:`plan_for_config` is what the trainer calls for ``schedule.name: auto``; :func:`predict_memory` gives the
+predicted peak of each schedule for a config as written (for comparing with a measured peak).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config, load_arch, preset_config
+from leangrpo_mcore.parallel.cost_model import Estimate, estimate
+from leangrpo_mcore.parallel.workload import SCHEDULES, GiB, Hardware, Layout, Precision, Workload
+from leangrpo_mcore.parallel.placement import Placement, place
+
+DEFAULT_TEXT_TOKENS = 512  # T5 / UMT5 maximum length of the released FLUX and Wan pipelines
+HASHED_TEXT_TOKENS = 16  # the hashed CPU text embedder's length (``engine.build.HASHED_TEXT_LENGTH``)
+_WORDS = {
+    "rollout": "rollout forwards", "recompute": "recomputing the selected steps",
+    "reference_forward": "reference forwards", "backward": "backward passes",
+    "fsdp_all_gather": "FSDP all-gathers", "tp_all_reduce": "TP all-reduces",
+    "grad_sync": "gradient synchronisation", "grad_buffers": "gradient-buffer traffic",
+    "optimizer": "the optimizer", "reward": "rewards", "provisional_grads": "provisional gradients",
+    "activations": "activations", "weights": "weights",
+}
+
+
+class PlanError(UserError):
+    """No candidate layout fits (the message says why)."""
+
+
+@dataclass
+class Plan:
+    """The planner's answer: the choice (or a refusal), every candidate, and the rank placement."""
+
+    schedule: Optional[str]
+    reason: str
+    chosen: Optional[Estimate]
+    candidates: list[Estimate]
+    placement: Optional[Placement]
+    hardware: Hardware
+    workload: Workload
+
+    @property
+    def ok(self) -> bool:
+        """True when some candidate fits."""
+        return self.chosen is not None
+
+    @property
+    def layout(self) -> Optional[Layout]:
+        """The chosen parallel degrees."""
+        return self.chosen.layout if self.chosen else None
+
+    def require(self) -> "Plan":
+        """This plan, or :class:`PlanError` with the refusal's reason."""
+        if not self.ok:
+            raise PlanError(self.reason)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: ``schedule``, ``reason``, ``candidates``, ``placement`` and the chosen layout."""
+        chosen = None if self.chosen is None else candidate_dict(self.chosen)
+        return {"schedule": self.schedule, "reason": self.reason, "chosen": chosen,
+                "candidates": [candidate_dict(c) for c in self.candidates],
+                "placement": None if self.placement is None else self.placement.to_dict(),
+                "world_size": self.hardware.world_size, "gpu_mem_bytes": self.hardware.gpu_mem_bytes}
+
+
+def candidate_dict(est: Estimate) -> dict[str, Any]:
+    """One candidate as JSON: the keys issue 6 asks for plus checkpointing, shape and notes."""
+    shape = est.shape
+    return {
+        "schedule": est.schedule, "tp": est.layout.tp, "dp_shard": est.layout.dp_shard,
+        "dp_replicate": est.layout.dp_replicate, "activation_checkpointing": est.activation_checkpointing,
+        "generations_per_rank": shape.generations_per_rank if shape else None,
+        "worker_groups": shape.worker_groups if shape else None,
+        "peak_mem_bytes": est.peak_mem_bytes if est.feasible else None, "fits": est.fits,
+        "feasible": est.feasible, "step_time_s": est.step_time_s if est.feasible else None,
+        "max_selected_steps": est.max_selected_steps, "note": est.note, "details": dict(est.details),
+        "breakdown": {"time_s": dict(est.time), "memory_bytes": dict(est.memory), "peak_phase": est.peak_phase},
+    }
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(num_heads: int, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Optional[int] = None,
+                      dp_replicate: Optional[int] = None) -> list[Layout]:
+    """TP | heads and TP | GPUs per node; TP x dp_shard inside a node; dp_replicate the rest (fixed ones kept)."""
+    out = []
+    for t in divisors(hw.gpus_per_node):
+        if num_heads % t or (tp is not None and t != tp):
+            continue
+        for s in divisors(hw.gpus_per_node // t):
+            r = hw.world_size // (t * s)
+            if (dp_shard is None or s == dp_shard) and (dp_replicate is None or r == dp_replicate):
+                out.append(Layout(t, s, r))
+    if not out:
+        raise UserError(f"no layout with tp={tp}, dp_shard={dp_shard}, dp_replicate={dp_replicate} on "
+                        f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs ({num_heads} heads; TP and dp_shard "
+                        f"must divide the GPUs per node)")
+    return out
+
+
+def plan(work: Workload, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Optional[int] = None,
+         dp_replicate: Optional[int] = None, schedules: tuple[str, ...] = SCHEDULES) -> Plan:
+    """Evaluate every candidate and choose the fastest that fits (or refuse, with the reason)."""
+    layouts = enumerate_layouts(work.arch.num_heads, hw, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    ac_options = (False, True) if work.activation_checkpointing is None else (work.activation_checkpointing,)
+    cands = [estimate(work, hw, lay, sched, ac) for lay in layouts for sched in schedules for ac in ac_options]
+    order = {name: i for i, name in enumerate(("reweight", "retain", "native"))}
+    cands.sort(key=lambda c: (not c.feasible, not c.fits, c.step_time_s if c.feasible else 0.0,
+                              c.peak_mem_bytes, order.get(c.schedule, 3)))
+    best = cands[0] if cands and cands[0].feasible and cands[0].fits else None
+    if best is None:
+        return Plan(None, refusal(cands, hw, work), None, cands, None, hw, work)
+    placement = place(best.layout, hw, best.shape, work.group_size, work.prompts_per_step,
+                      conventional=work.layout == "conventional")
+    return Plan(best.schedule, explain(best, cands, work, hw, placement), best, cands, placement, hw, work)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def describe_layout(est: Estimate, work: Workload) -> str:
+    """Words for a candidate's layout: degrees, group sharing and checkpointing."""
+    lay, shape = est.layout, est.shape
+    parts = [f"TP={lay.tp}", f"FSDP over {lay.dp_shard}"]
+    if lay.dp_replicate > 1:
+        parts.append(f"{lay.dp_replicate} HSDP replicas")
+    if shape is not None and work.layout == "shared":
+        if shape.worker_groups > 1:
+            parts.append(f"{shape.worker_groups} worker groups of {shape.ranks_per_group}")
+        else:
+            parts.append(f"{shape.generations_per_rank} generation(s) per rank")
+    parts.append("activation checkpointing" if est.activation_checkpointing else "no activation checkpointing")
+    return ", ".join(parts)
+
+
+def _top(terms: dict, n: int = 2) -> str:
+    items = sorted(((v, k) for k, v in terms.items() if v > 0), reverse=True)[:n]
+    return ", ".join(f"{_WORDS.get(k, k.replace('_', ' '))} {_gib(v)}" for v, k in items)
+
+
+def _versus(other: Estimate, best: Estimate, work: Workload) -> str:
+    name = other.schedule.capitalize()
+    if not other.fits:
+        text = f"{name} does not fit (best {_gib(other.peak_mem_bytes)} in {other.peak_phase}: {_top(other.memory)})"
+        if other.schedule == "retain" and other.max_selected_steps is not None:
+            text += f"; it runs out of memory at selected step {other.max_selected_steps + 1}"
+        return text
+    ratio = other.step_time_s / best.step_time_s if best.step_time_s else 1.0
+    if ratio < 1.005:
+        return f"{name} is as fast within 0.5% ({other.step_time_s:.1f} s/step)"
+    diff = {k: other.time.get(k, 0.0) - best.time.get(k, 0.0) for k in other.time}
+    worst = max(diff, key=diff.get)
+    words = _WORDS.get(worst, worst)
+    if worst == "backward" and other.activation_checkpointing and not best.activation_checkpointing:
+        words = "recomputing activations in backward (it needs activation checkpointing to fit)"
+    return f"{name} is {ratio:.2f}x slower at best ({other.step_time_s:.1f} s/step, mostly {words}, " \
+           f"+{diff[worst]:.1f} s)"
+
+
+def explain(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardware, placement: Placement) -> str:
+    """The choice in words, with the best candidate of each other schedule for comparison."""
+    mem = "unlimited memory" if hw.gpu_mem_bytes is None else f"{_gib(hw.gpu_mem_bytes)} per GPU"
+    fitting = sum(1 for c in cands if c.fits and c.feasible)
+    text = [f"{best.schedule.capitalize()} with {describe_layout(best, work)}: {best.step_time_s:.1f} s/step, "
+            f"peak {_gib(best.peak_mem_bytes)} of {mem}; fastest of {fitting} fitting candidates."]
+    if best.schedule == "reweight":
+        text.append(f"It keeps {_gib(best.details['provisional_grad_bytes'])} of unsharded provisional gradients "
+                    f"per GPU.")
+    for sched in SCHEDULES:
+        if sched == best.schedule:
+            continue
+        pool = [c for c in cands if c.schedule == sched and c.feasible]
+        fits = [c for c in pool if c.fits]
+        if pool:
+            other = min(fits, key=lambda c: c.step_time_s) if fits else min(pool, key=lambda c: c.peak_mem_bytes)
+            text.append(_versus(other, best, work) + ".")
+    if not placement.group_gather_intra_node:
+        text.append(f"Each prompt group's reward all-gather spans {placement.group_gather_nodes} nodes "
+                    f"(group size x TP exceeds a node).")
+    return " ".join(text)
+
+
+def refusal(cands: list[Estimate], hw: Hardware, work: Workload) -> str:
+    """Why nothing fits: the smallest peak and its largest terms, or why no layout is feasible."""
+    feasible = [c for c in cands if c.feasible]
+    if not feasible:
+        return f"no parallel layout can split the work: {cands[0].note}" if cands else "no candidate layout"
+    low = min(feasible, key=lambda c: c.peak_mem_bytes)
+    return (f"nothing fits in {_gib(hw.gpu_mem_bytes)} per GPU: the smallest predicted peak is "
+            f"{_gib(low.peak_mem_bytes)} ({low.schedule}, {describe_layout(low, work)}; largest terms: "
+            f"{_top(low.memory, 3)}); use LoRA, more or larger GPUs, activation checkpointing, fewer "
+            f"generations per rank or a smaller micro-batch / resolution")
+
+
+# ---------------------------------------------------------------------------------------------- experiment configs
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def precision_from_config(config: Any) -> Precision:
+    """Bytes per tensor kind implied by ``model.dtype``, ``model.fp8`` and the FSDP2 mixed-precision policy."""
+    storage = _DTYPE_BYTES[config.model.dtype]
+    compute = min(storage, _DTYPE_BYTES[config.parallel.param_dtype])
+    # FSDP2 accumulates unsynchronised gradients in reduce_dtype when computing in a lower param_dtype.
+    buffer = _DTYPE_BYTES[config.parallel.reduce_dtype] if compute < storage else storage
+    name = "fp8" if config.model.fp8 else ("fp32" if compute == 4 else "bf16")
+    return Precision(name, storage, compute, storage, buffer, matmul_speedup=2.0 if config.model.fp8 else 1.0)
+
+
+def selected_steps_of(config: Any) -> int:
+    """|S| per sample (the counts of ``leangrpo_mcore.diffusion.selection.num_selected``, kept torch-free)."""
+    grpo, steps = config.grpo, config.sampler.num_steps
+    if grpo.timestep_selection == "flow_grpo":
+        count = int(steps * grpo.timestep_fraction)
+    elif grpo.timestep_selection == "dance_grpo":
+        count = int((steps - 1) * grpo.timestep_fraction)
+    else:
+        count = config.sampler.sde_window_size
+    if count < 1:
+        raise UserError(f"grpo.timestep_selection={grpo.timestep_selection} selects no step of {steps}")
+    return count
+
+
+def _reweight_accumulate(config: Any) -> str:
+    if config.schedule.reweight_accumulate != "affine":
+        return "per_sample"
+    # Imported lazily (torch): the schedule's own rule for when affine accumulation falls back to per-sample.
+    from leangrpo_mcore.schedules.reweight import plan_reweight
+
+    g = config.grpo
+    return plan_reweight("affine", advantage=g.advantage, group_size=g.group_size,
+                         prompts_per_step=g.prompts_per_step, adv_clip_max=g.adv_clip_max,
+                         global_std=g.global_std).accumulate
+
+
+def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, reward_seconds: float = 0.0,
+                         reward_mem_gb: float = 0.0, decode_bytes: int = 0) -> Workload:
+    """The :class:`Workload` of an experiment config, as written.
+
+    ``text_tokens`` defaults to the text encoder's length: 512 (T5 / UMT5), 16 for the hashed CPU embedder.
+    """
+    m, s = config.model, config.sampler
+    if m.path:
+        arch = load_arch(m.path)
+    elif m.preset:
+        try:
+            arch = arch_from_config(m.family, {**preset_config(m.family, m.preset), **m.arch}, m.preset)
+        except ValueError as err:  # the models registry reports unknown families / presets as ValueError
+            raise UserError(str(err)) from None
+    else:
+        raise UserError("model: set model.path or model.preset to plan")
+    if text_tokens is None:
+        text_tokens = HASHED_TEXT_TOKENS if m.text_encoder == "hashed" else DEFAULT_TEXT_TOKENS
+    tokens = arch.tokens(s.height, s.width, s.frames, text_tokens)
+    # null targets: the family's default set (as ``engine.build`` resolves them)
+    targets = DEFAULT_LORA_TARGETS[arch.family] if m.lora.targets is None else tuple(m.lora.targets)
+    return Workload(
+        arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=selected_steps_of(config),
+        group_size=config.grpo.group_size, prompts_per_step=config.grpo.prompts_per_step,
+        micro_batch=config.schedule.micro_batch, lora_rank=m.lora.rank, lora_targets=targets,
+        precision=precision_from_config(config), activation_checkpointing=m.activation_checkpointing,
+        kl_beta=config.grpo.kl_beta, cfg=s.cfg_scale > 1.0, updates_per_rollout=config.grpo.updates_per_rollout,
+        reward_seconds=reward_seconds, reward_mem_bytes=int(reward_mem_gb * GiB), decode_bytes=decode_bytes,
+        optimizer=config.optim.name,
+        momentum=config.optim.momentum, reshard_after_forward=config.parallel.reshard_after_forward,
+        reweight_accumulate=_reweight_accumulate(config), coalesce_sync=config.schedule.coalesce_sync,
+        layout=config.parallel.layout)
+
+
+def _gpus_per_node(world_size: int, gpus_per_node: Optional[int]) -> int:
+    if gpus_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        gpus_per_node = int(local) if local.isdigit() and int(local) > 0 else world_size
+    if gpus_per_node < 1 or world_size % gpus_per_node:
+        raise UserError(f"world size {world_size} is not a whole number of nodes of {gpus_per_node} GPUs")
+    return gpus_per_node
+
+
+def _fixed(value: Any) -> Optional[int]:
+    return None if value == "auto" else int(value)
+
+
+def plan_for_config(config: Any, world_size: int, *, gpus_per_node: Optional[int] = None,
+                    gpu_mem_gb: Optional[float] = None, **hardware: Any) -> Plan:
+    """Plan ``config`` on ``world_size`` ranks (``schedule.name: auto``); :class:`PlanError` when nothing fits.
+
+    ``gpus_per_node`` defaults to ``$LOCAL_WORLD_SIZE`` (else one node); ``gpu_mem_gb`` None means unlimited
+    memory (the plan then only compares time). The config's ``parallel.tp``, activation checkpointing and any
+    integer ``dp_shard`` / ``dp_replicate`` are kept; ``auto`` degrees are chosen. Extra keyword arguments
+    set :class:`Hardware` fields (e.g. ``gpu_tflops``, ``inter_node_gbps``).
+    """
+    if world_size < 1:
+        raise UserError(f"world size must be >= 1, got {world_size}")
+    g = _gpus_per_node(world_size, gpus_per_node)
+    mem = None if gpu_mem_gb is None else int(gpu_mem_gb * GiB)
+    hw = Hardware(nodes=world_size // g, gpus_per_node=g, gpu_mem_bytes=mem, **hardware)
+    p = config.parallel
+    result = plan(workload_from_config(config), hw, tp=p.tp, dp_shard=_fixed(p.dp_shard),
+                  dp_replicate=_fixed(p.dp_replicate))
+    return result.require()
+
+
+def predict_memory(config: Any, *, world_size: int = 1, text_tokens: Optional[int] = None,
+                   overhead_bytes: int = 0, decode_bytes: int = 0, device: str = "cuda") -> dict[str, Estimate]:
+    """Predicted memory of every schedule for ``config`` as written, on one node of ``world_size`` ranks.
+
+    Degrees come from the config (``auto``: dp_replicate 1, dp_shard the rest). The default excludes the CUDA
+    overhead, so the peak counts tensor bytes only, as a tensor-level meter sees them; each estimate's
+    ``memory`` dict splits its peak phase into terms (weights, optimizer, activations, ...). ``decode_bytes`` is
+    the transient memory of decoding and scoring one micro-batch (the VAE and reward model are inputs of the
+    planner, not derived by it). ``device="cpu"`` models torch's CPU optimizer (one parameter at a time).
+    """
+    p = config.parallel
+    r = _fixed(p.dp_replicate) or 1
+    s = _fixed(p.dp_shard) or world_size // (p.tp * r)
+    if p.tp * s * r != world_size:
+        raise UserError(f"tp {p.tp} x dp_shard {s} x dp_replicate {r} != world size {world_size}")
+    layout = Layout(p.tp, s, r)
+    hw = Hardware(nodes=1, gpus_per_node=world_size, overhead_bytes=overhead_bytes)
+    work = workload_from_config(config, text_tokens=text_tokens, decode_bytes=decode_bytes)
+    work = replace(work, foreach_optimizer=device != "cpu")
+    ac = bool(work.activation_checkpointing)
+    return {sched: estimate(work, hw, layout, sched, ac) for sched in SCHEDULES}
+
+
+def predict_peak_bytes(config: Any, *, world_size: int = 1, text_tokens: Optional[int] = None) -> dict[str, int]:
+    """Predicted peak tensor bytes per rank of each schedule (``native``, ``retain``, ``reweight``)."""
+    return {name: est.peak_mem_bytes for name, est in
+            predict_memory(config, world_size=world_size, text_tokens=text_tokens).items()}

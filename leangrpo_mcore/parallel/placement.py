@@ -1,0 +1,84 @@
+"""Where every rank sits in a plan: node, TP rank, FSDP/HSDP coordinates, worker group and generations.
+
+Global rank = node x gpus_per_node + local rank. Tensor parallelism varies fastest (megatron-core's order), so a
+TP group is ``tp`` consecutive local ranks and never leaves a node (the planner only picks TP sizes dividing
+the GPUs per node). The data-parallel index is ``rank // tp``; FSDP shards over ``dp_shard`` consecutive
+data-parallel indices (inside a node by construction) and HSDP replicates across the rest (a (replicate, shard)
+device mesh). Prompt groups follow ``leangrpo_mcore.parallel.groups``: with M >= R generations every rank holds
+every prompt and makes generations q·R + r; with M < R, worker groups of M consecutive data-parallel indices
+each take one prompt at a time, so a group's reward all-gather stays inside one node whenever M·tp fits in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from leangrpo_mcore.parallel.workload import Hardware, Layout, Shape
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """One row of the rank table."""
+
+    rank: int
+    node: int
+    local_rank: int
+    tp_rank: int
+    dp_rank: int
+    dp_shard: int
+    dp_replicate: int
+    worker_group: int
+    generations: tuple[int, ...]
+    """Generation indices (within each prompt group) this rank makes."""
+    prompt_slots: tuple[int, ...]
+    """Prompt groups of the step (0 .. prompts_per_step - 1) this rank works on."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The rank table and the locality facts the planner promises."""
+
+    ranks: tuple[RankPlacement, ...]
+    tp_groups_intra_node: bool
+    fsdp_groups_intra_node: bool
+    group_gather_intra_node: bool
+    """Every prompt group's reward all-gather stays inside one node."""
+    group_gather_nodes: int
+    """Nodes one prompt group's all-gather spans (1 when intra-node)."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready form."""
+        out = asdict(self)
+        out["ranks"] = [{**row, "generations": list(row["generations"]), "prompt_slots": list(row["prompt_slots"])}
+                        for row in out["ranks"]]
+        return out
+
+
+def place(layout: Layout, hw: Hardware, shape: Shape, group_size: int, prompts_per_step: int,
+          conventional: bool = False) -> Placement:
+    """The rank table of ``layout`` on ``hw`` for groups of ``group_size`` (see the module doc)."""
+    g, tp, dp = hw.gpus_per_node, layout.tp, layout.dp
+    rows = []
+    for rank in range(hw.world_size):
+        node, local = divmod(rank, g)
+        dp_rank = rank // tp
+        if conventional:
+            worker, gens = dp_rank, tuple(range(group_size))
+            slots = tuple(range(dp_rank, prompts_per_step, dp))
+        else:
+            worker, member = divmod(dp_rank, shape.ranks_per_group)
+            gens = tuple(range(member, group_size, shape.ranks_per_group))
+            slots = tuple(range(worker, prompts_per_step, shape.worker_groups))
+        rows.append(RankPlacement(rank, node, local, rank % tp, dp_rank, dp_rank % layout.dp_shard,
+                                  dp_rank // layout.dp_shard, worker, gens, slots))
+    nodes_per_group = {}
+    for row in rows:
+        nodes_per_group.setdefault(row.worker_group, set()).add(row.node)
+    spans = max(len(nodes) for nodes in nodes_per_group.values())
+    return Placement(
+        ranks=tuple(rows),
+        tp_groups_intra_node=g % tp == 0,
+        fsdp_groups_intra_node=g % (tp * layout.dp_shard) == 0,
+        group_gather_intra_node=spans == 1,
+        group_gather_nodes=spans,
+    )

@@ -1,0 +1,183 @@
+"""What the planner plans: the cluster, the experiment, a parallel layout and how a step's samples fall on it.
+
+Pure Python dataclasses shared by :mod:`leangrpo_mcore.parallel.cost_model` and
+:mod:`leangrpo_mcore.parallel.layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.arch_specs import ArchSpec
+
+GiB = 1024 ** 3
+SCHEDULES = ("native", "retain", "reweight")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of each kind of tensor, and the matmul speed-up over the quoted GPU rate."""
+
+    name: str
+    storage_bytes: int
+    """Sharded trainable weights (the master weights)."""
+    compute_bytes: int
+    """Gathered weights, activations and frozen (LoRA base / KL reference) weights."""
+    grad_bytes: int
+    """Sharded gradients."""
+    buffer_bytes: int
+    """Unsharded gradients: Reweight's provisional buffers and the reduce-scatter payload."""
+    matmul_speedup: float = 1.0
+
+
+# bf16: FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16) over fp32 master weights, as in the
+# paper's runs (its provisional gradients are bf16). fp8: TE FP8 GEMMs at twice the bf16 rate; activations are
+# budgeted at bf16 (conservative: TE keeps some linear inputs in fp8).
+PRECISIONS = {
+    "fp32": Precision("fp32", 4, 4, 4, 4),
+    "bf16": Precision("bf16", 4, 2, 4, 2),
+    "fp8": Precision("fp8", 4, 2, 4, 2, matmul_speedup=2.0),
+}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The cluster: shape, memory, speeds."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_mem_bytes: Optional[int] = None
+    """Usable memory per GPU (None: unlimited, only time decides)."""
+    gpu_tflops: float = 312.0
+    """Dense bf16 TFLOP/s per GPU (A100: 312, H100 SXM: 989, RTX A6000: 155)."""
+    efficiency: float = 0.4
+    """Fraction of the peak rate the policy's kernels reach."""
+    intra_node_gbps: float = 150.0
+    """Collective bus bandwidth per GPU inside a node, GB/s."""
+    inter_node_gbps: float = 25.0
+    """Collective bus bandwidth per GPU across nodes, GB/s."""
+    hbm_gbps: float = 1500.0
+    """GPU memory bandwidth, GB/s (gradient-buffer and optimizer traffic)."""
+    overhead_bytes: int = int(1.5 * GiB)
+    """Per-GPU memory outside tensors: CUDA context, NCCL buffers, allocator fragmentation."""
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise UserError(f"need nodes >= 1 and gpus per node >= 1, got {self.nodes} and {self.gpus_per_node}")
+        rates = (self.gpu_tflops, self.efficiency, self.intra_node_gbps, self.inter_node_gbps, self.hbm_gbps)
+        if min(rates) <= 0 or self.efficiency > 1:
+            raise UserError("GPU TFLOP/s, bandwidths and efficiency must be positive (efficiency at most 1)")
+        if self.gpu_mem_bytes is not None and self.gpu_mem_bytes <= 0:
+            raise UserError(f"GPU memory must be positive, got {self.gpu_mem_bytes} bytes")
+
+    @property
+    def world_size(self) -> int:
+        """GPUs in the cluster."""
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One experiment as the planner sees it."""
+
+    arch: ArchSpec
+    tokens: dict
+    """Tokens per sample of each stream (:meth:`ArchSpec.tokens`)."""
+    num_steps: int
+    selected_steps: int
+    group_size: int
+    prompts_per_step: int
+    micro_batch: int = 1
+    lora_rank: int = 0
+    lora_targets: tuple = ()
+    precision: Precision = PRECISIONS["bf16"]
+    activation_checkpointing: Optional[bool] = None
+    """None: the planner tries both."""
+    kl_beta: float = 0.0
+    cfg: bool = False
+    """Two-branch classifier-free guidance: every forward runs a batch of two."""
+    updates_per_rollout: int = 1
+    reward_seconds: float = 0.0
+    """Reward time per generation (decode + reward model), on the rank that made it."""
+    reward_mem_bytes: int = 0
+    """Memory reserved per GPU for the reward model (always resident)."""
+    decode_bytes: int = 0
+    """Transient memory of decoding and scoring one micro-batch (VAE decode + reward forward)."""
+    foreach_optimizer: bool = True
+    """The optimizer updates all parameters at once (torch's default on CUDA: one parameter-sized temporary);
+    False: one parameter at a time (torch's default on CPU)."""
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    reshard_after_forward: bool = True
+    reweight_accumulate: str = "per_sample"
+    coalesce_sync: bool = False
+    layout: str = "shared"
+
+    def __post_init__(self) -> None:
+        if min(self.num_steps, self.selected_steps, self.group_size, self.prompts_per_step, self.micro_batch) < 1:
+            raise UserError("steps, selected steps, group size, prompts per step and micro-batch must be >= 1")
+        if self.selected_steps > self.num_steps:
+            raise UserError(f"selected steps ({self.selected_steps}) exceed the steps ({self.num_steps})")
+        if self.updates_per_rollout < 1 or self.lora_rank < 0 or self.kl_beta < 0 or self.reward_seconds < 0:
+            raise UserError("updates per rollout >= 1, LoRA rank >= 0, KL beta >= 0 and reward time >= 0 needed")
+
+    @property
+    def full_finetune(self) -> bool:
+        """True without LoRA adapters."""
+        return self.lora_rank == 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel degrees: TP inside a node, FSDP sharding inside a node, HSDP replicas across the rest."""
+
+    tp: int
+    dp_shard: int
+    dp_replicate: int
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks R."""
+        return self.dp_shard * self.dp_replicate
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one step's samples fall on a rank for a layout (LeanGRPO §4.1)."""
+
+    generations_per_rank: int
+    """Q: generations of one prompt on one rank."""
+    worker_groups: int
+    """P: groups of ranks working on different prompts at once."""
+    ranks_per_group: int
+    groups_per_rank: int
+    """Prompt groups one rank takes part in per step."""
+    micro_batch: int
+    micro_batches: int
+    """Forward batches per rank per step."""
+    idle_fraction: float = 0.0
+
+    @property
+    def samples(self) -> int:
+        """Generations made on one rank per step."""
+        return self.groups_per_rank * self.generations_per_rank
+
+
+def sample_shape(work: Workload, layout: Layout) -> Shape:
+    """Q, P and the per-rank work of ``layout``; UserError when the group cannot be spread evenly."""
+    r, m, prompts = layout.dp, work.group_size, work.prompts_per_step
+    if work.layout == "conventional":
+        q, p, per_group, groups = m, r, 1, -(-prompts // r)
+    elif m >= r:
+        if m % r:
+            raise UserError(f"group size {m} does not split over {r} data-parallel ranks")
+        q, p, per_group, groups = m // r, 1, r, prompts
+    else:
+        if r % m:
+            raise UserError(f"{r} data-parallel ranks do not split into worker groups of {m}")
+        q, p, per_group, groups = 1, r // m, m, -(-prompts // (r // m))
+    b = min(work.micro_batch, q)
+    idle = 1.0 - prompts / (groups * p)
+    return Shape(q, p, per_group, groups, b, groups * -(-q // b), idle)

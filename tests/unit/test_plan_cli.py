@@ -1,0 +1,101 @@
+"""The `leangrpo-plan` command: JSON and table output, refusals, one-line errors with exit code 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from leangrpo_mcore.cli.plan import main
+
+HW = ["--gpus-per-node", "8", "--gpu-mem-gb", "80"]
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_output(capsys):
+    out = _json(capsys, ["--model", "wan2.1-1.3b", "--nodes", "2", *HW, "--resolution", "480x832", "--frames", "33",
+                         "--num-steps", "20", "--selected-steps", "10", "--group-size", "16", "--lora-rank", "32",
+                         "--kl-beta", "0.004", "--intra-node-gbps", "300", "--inter-node-gbps", "50",
+                         "--gpu-tflops", "989"])
+    assert out["schedule"] in ("native", "retain", "reweight") and out["reason"]
+    assert out["world_size"] == 16 and len(out["placement"]["ranks"]) == 16
+    keys = {"schedule", "tp", "dp_shard", "dp_replicate", "generations_per_rank", "peak_mem_bytes", "fits",
+            "step_time_s", "breakdown"}
+    assert out["candidates"] and all(keys <= set(c) for c in out["candidates"])
+    chosen = out["chosen"]
+    assert chosen["fits"] and chosen["schedule"] == out["schedule"]
+    assert chosen["step_time_s"] == min(c["step_time_s"] for c in out["candidates"] if c["fits"] and c["feasible"])
+    # KL with Reweight costs a second backward per selected step: visible in its breakdown.
+    rw = [c for c in out["candidates"] if c["schedule"] == "reweight" and c["feasible"]][0]
+    rt = [c for c in out["candidates"] if c["schedule"] == "retain" and c["tp"] == rw["tp"]
+          and c["dp_shard"] == rw["dp_shard"] and c["activation_checkpointing"] == rw["activation_checkpointing"]][0]
+    assert rw["breakdown"]["time_s"]["backward"] == pytest.approx(2 * rt["breakdown"]["time_s"]["backward"])
+
+
+def test_flags_change_the_answer(capsys):
+    base = ["--model", "flux-dev", *HW, "--gpu-mem-gb", "48", "--resolution", "512", "--group-size", "16"]
+    assert _json(capsys, base + ["--micro-batch", "2"])["schedule"] != "reweight"
+    checkpointed = _json(capsys, base[:-2] + ["--group-size", "8", "--activation-checkpointing"])
+    assert all(c["activation_checkpointing"] for c in checkpointed["candidates"])
+    fp8 = _json(capsys, base[:-2] + ["--group-size", "8", "--precision", "fp8"])
+    bf16 = _json(capsys, base[:-2] + ["--group-size", "8"])
+    assert fp8["chosen"]["breakdown"]["time_s"]["rollout"] < bf16["chosen"]["breakdown"]["time_s"]["rollout"]
+
+
+def test_table_output_and_config(capsys):
+    assert main(["--config", os.path.join(ROOT, "yaml_configs/tiny/wan.yaml"), "grpo.group_size=4",
+                 "--gpus-per-node", "2", "--gpu-mem-gb", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "schedule: " in text and "placement (" in text and "M=4" in text
+    assert sum(1 for line in text.splitlines() if line.startswith(("native", "retain", "reweight"))) == 6
+
+
+def test_refusal_exits_1_and_still_prints(capsys):
+    argv = ["--model", "wan2.1-14b", "--gpus-per-node", "8", "--gpu-mem-gb", "24", "--resolution", "480x832",
+            "--frames", "81", "--json"]
+    assert main(argv) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["schedule"] is None and out["reason"].startswith("nothing fits") and out["placement"] is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "flux-xl", *HW], "unknown model 'flux-xl'"),
+    (["--model", "flux-dev", "--config", "x.yaml", *HW], "exactly one of --model and --config"),
+    (["--model", "flux-dev", *HW, "--resolution", "big"], "--resolution must be"),
+    (["--model", "flux-dev", *HW, "--resolution", "500"], "multiples of 16"),
+    (["--model", "flux-dev", *HW, "--selected-steps", "40"], "exceed the steps"),
+    (["--model", "flux-dev", *HW, "a.b=1"], "needs --config"),
+    (["--config", "yaml_configs/tiny/flux.yaml", *HW, "--frames", "5"], "--frames cannot be combined"),
+    (["--config", "missing.yaml", *HW], "config file not found"),
+    (["--model", "flux-dev", "--gpus-per-node", "0", "--gpu-mem-gb", "80"], "gpus per node >= 1"),
+])
+def test_errors_are_one_line_exit_2(capsys, monkeypatch, argv, message):
+    monkeypatch.chdir(ROOT)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_missing_required_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "flux-dev"])
+    assert exc.value.code == 2 and "--gpus-per-node" in capsys.readouterr().err
+
+
+def test_tool_wrapper_runs():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan_layout.py"), "--model", "flux-dev",
+                           *HW, "--json"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["schedule"] in ("native", "retain", "reweight")
+
+
+def test_large_cluster_table_is_truncated(capsys):
+    assert main(["--model", "flux-dev", "--nodes", "16", *HW, "--top", "3", "--lora-rank", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "more (--top 0 shows all)" in text and "64 more ranks (--json lists all)" in text
