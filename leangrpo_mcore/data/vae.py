@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from leangrpo_mcore.diffusion.velocity import pack_flux_latents, unpack_flux_latents
 from leangrpo_mcore.errors import UserError
 
 FAMILIES = ("flux", "wan")
@@ -61,12 +62,8 @@ def latent_shape(
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) -> (B, (h/2)·(w/2), C·4): each 2×2 patch becomes one token, channel-major inside."""
-    if latents.ndim != 4 or latents.shape[2] % 2 or latents.shape[3] % 2:
-        raise ValueError(f"pack_latents needs (B, C, h, w) with even h and w, got {tuple(latents.shape)}")
-    b, c, h, w = latents.shape
-    patches = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+    """(B, C, h, w) -> (B, (h/2)·(w/2), C·4): each 2×2 patch becomes one token (FluxPipeline's packing)."""
+    return pack_flux_latents(latents)
 
 
 def unpack_latents(
@@ -75,13 +72,11 @@ def unpack_latents(
     """(B, tokens, C·4) -> (B, C, h, w) for an image of ``height`` × ``width`` pixels (inverse of pack)."""
     if latents.ndim != 3 or latents.shape[2] % 4:
         raise ValueError(f"unpack_latents needs (B, tokens, C*4), got {tuple(latents.shape)}")
-    b, tokens, packed = latents.shape
     h = 2 * (int(height) // (vae_scale_factor * 2))
     w = 2 * (int(width) // (vae_scale_factor * 2))
-    if (h // 2) * (w // 2) != tokens:
-        raise ValueError(f"{tokens} latent tokens do not match a {height}x{width} image ({(h // 2) * (w // 2)})")
-    patches = latents.reshape(b, h // 2, w // 2, packed // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return patches.reshape(b, packed // 4, h, w)
+    if (h // 2) * (w // 2) != latents.shape[1]:
+        raise ValueError(f"{latents.shape[1]} latent tokens do not match a {height}x{width} image ({(h // 2) * (w // 2)})")
+    return unpack_flux_latents(latents, h, w)
 
 
 def to_unit_range(pixels: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def pack_flux_latents(latents: torch.Tensor) -> torch.Tensor:
     if latents.ndim != 4 or latents.shape[2] % 2 or latents.shape[3] % 2:
         raise ValueError(f"FLUX latents must be (B, C, H, W) with even H and W, got {tuple(latents.shape)}")
     b, c, h, w = latents.shape
-    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    patches = latents.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
     return patches.reshape(b, (h // 2) * (w // 2), c * 4)
 
 
@@ -47,7 +47,7 @@ def unpack_flux_latents(packed: torch.Tensor, latent_height: int, latent_width: 
     h, w = latent_height // 2, latent_width // 2
     if seq != h * w or dim % 4:
         raise ValueError(f"packed latents {tuple(packed.shape)} do not fit a {latent_height}x{latent_width} grid")
-    patches = packed.view(b, h, w, dim // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    patches = packed.reshape(b, h, w, dim // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return patches.reshape(b, dim // 4, latent_height, latent_width)
 
 
