@@ -89,9 +89,11 @@ def family_for_config(config: Any) -> ModelFamily:
 
 def _preset(name: str, family_name: str | None = None) -> tuple[ModelFamily, dict]:
     """A preset by name; with ``family_name`` only that family's (``tiny`` also finds ``<family>-tiny``)."""
-    families = [get_family(family_name)] if family_name is not None else available_families()
-    hits = [(family, family.presets[key]) for family in families
-            for key in (name, f"{family.name}-{name}") if key in family.presets]
+    if family_name is None:  # an exact preset name, whichever family owns it
+        hits = [(family, family.presets[name]) for family in available_families() if name in family.presets]
+    else:
+        family = get_family(family_name)
+        hits = [(family, family.presets[key]) for key in (name, f"{family.name}-{name}") if key in family.presets]
     if not hits:
         known = sorted(p for family in available_families() for p in family.presets)
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(known)}")
