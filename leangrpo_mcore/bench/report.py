@@ -1,0 +1,249 @@
+"""Turn measured steps into the benchmark report: phases, robust statistics, speedups, the ideal ratio.
+
+A step's wall time is split into :data:`PHASES`, which sum to it exactly: the forward kinds measured by
+:class:`~leangrpo_mcore.bench.probe.ForwardProbe` and the engine's phase timer, with ``other`` the rest
+(SDE and log-prob math of the rollout, KL reference forwards during the rollout, bookkeeping).
+
+The ideal ratio (issue 7) is the speedup a recompute-free schedule would reach if a step cost only its
+policy forwards and backwards: per trajectory Native costs T·F + |S|·(F + B), a Lean schedule T·F + |S|·B,
+with F the time of one sample-forward and B of one sample-step backward, both measured in the same run.
+B is read from a schedule whose backward synchronises nothing (:func:`ideal_sources`), so that a
+schedule whose coalesced sync beats the baselines' per-backward sync can exceed the ideal ratio.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Optional
+
+from leangrpo_mcore.bench.probe import ForwardTally
+
+PHASES = ("rollout_nograd_forward", "rollout_grad_forward", "recompute", "backward", "sync", "reward",
+          "optimizer", "other")
+PHASE_LABELS = {"rollout_nograd_forward": "rollout fwd (no grad)", "rollout_grad_forward": "rollout fwd (grad)",
+                "recompute": "recompute", "backward": "backward", "sync": "grad sync", "reward": "reward",
+                "optimizer": "clip + optimizer", "other": "other"}
+
+
+@dataclass
+class StepSample:
+    """One measured step of one schedule."""
+
+    seconds: float
+    """Wall-clock time of ``StepEngine.step`` on this rank."""
+    phases: dict[str, float]
+    """Seconds per :data:`PHASES` entry (they sum to ``seconds``)."""
+    cpu_seconds: float = 0.0
+    """CPU time this process used during the step (all its threads): unlike wall time, it hardly changes when
+    other jobs share the cores, but it leaves out time spent waiting for other ranks."""
+    forward_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds per forward kind (``ForwardTally``)."""
+    forward_rows: dict[str, int] = field(default_factory=dict)
+    """Sample-forwards per forward kind."""
+
+
+def split_phases(seconds: float, timings: dict[str, float], tally: ForwardTally) -> dict[str, float]:
+    """The step's :data:`PHASES` from its wall time, the engine's phase totals and the forward tally."""
+    phases = {
+        "rollout_nograd_forward": tally.seconds["nograd"],
+        "rollout_grad_forward": tally.seconds["rollout_grad"],
+        "recompute": timings.get("recompute", 0.0),
+        "backward": timings.get("backward", 0.0),
+        "sync": timings.get("sync", 0.0),
+        "reward": timings.get("reward", 0.0) + timings.get("advantage", 0.0),
+        "optimizer": timings.get("clip", 0.0) + timings.get("optimizer", 0.0),
+    }
+    phases["other"] = seconds - sum(phases.values())
+    return phases
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, quartiles (inclusive method), min, max and mean of ``values``."""
+    if not values:
+        raise ValueError("no measured steps to summarise")
+    if len(values) == 1:
+        q1 = q3 = values[0]
+    else:
+        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": statistics.median(values), "q1": q1, "q3": q3, "min": min(values), "max": max(values),
+            "mean": statistics.fmean(values)}
+
+
+def schedule_summary(name: str, samples: list[StepSample]) -> dict:
+    """Step-time statistics and mean phases of one schedule."""
+    phases = {p: statistics.fmean(s.phases[p] for s in samples) for p in PHASES}
+    return {
+        "schedule": name,
+        "step_time_s": {**spread([s.seconds for s in samples]), "values": [s.seconds for s in samples]},
+        "cpu_time_s": {**spread([s.cpu_seconds for s in samples]), "values": [s.cpu_seconds for s in samples]},
+        "phases_s": phases,
+        "steps": [{"time_s": s.seconds, "cpu_s": s.cpu_seconds, "phases_s": s.phases, "forward_s": s.forward_seconds,
+                   "forward_rows": s.forward_rows} for s in samples],
+    }
+
+
+def ideal_sources(names: list[str], dp_size: int) -> tuple[Optional[str], Optional[str]]:
+    """(schedule whose forwards give F, schedule whose backwards give B).
+
+    F: Native (T no-grad + |S| grad forwards per sample), else the first schedule. B: a backward that
+    synchronises nothing — Native at one data-parallel rank, otherwise coalesced Native, Retain or Reweight.
+    """
+    if not names:
+        return None, None
+    f_source = "native" if "native" in names else names[0]
+    order = ["native", "native_coalesced", "retain", "reweight"] if dp_size == 1 else \
+        ["native_coalesced", "retain", "reweight", "native"]
+    b_source = next((n for n in order if n in names), names[0])
+    return f_source, b_source
+
+
+def forward_time(samples: list[StepSample]) -> float:
+    """F: seconds per sample-forward over every policy forward of ``samples`` (KL reference excluded)."""
+    kinds = ("nograd", "rollout_grad", "recompute")
+    seconds = sum(s.forward_seconds.get(k, 0.0) for s in samples for k in kinds)
+    rows = sum(s.forward_rows.get(k, 0) for s in samples for k in kinds)
+    if rows == 0:
+        raise ValueError("no policy forwards were measured")
+    return seconds / rows
+
+
+def backward_time(samples: list[StepSample], num_steps: int, steps_per_sample: int) -> float:
+    """B: seconds per (sample, selected step) backward; samples counted from the rollout's forwards."""
+    rollout_rows = sum(s.forward_rows.get("nograd", 0) + s.forward_rows.get("rollout_grad", 0) for s in samples)
+    units = rollout_rows / num_steps * steps_per_sample
+    if units <= 0:
+        raise ValueError("no backward units were measured")
+    return sum(s.phases["backward"] for s in samples) / units
+
+
+def ideal_ratio(num_steps: int, steps_per_sample: int, forward_s: float, backward_s: float) -> float:
+    """(T·F + |S|·(F + B)) / (T·F + |S|·B)."""
+    t, s = num_steps, steps_per_sample
+    return (t * forward_s + s * (forward_s + backward_s)) / (t * forward_s + s * backward_s)
+
+
+def finish_report(report: dict, samples: dict[str, list[StepSample]]) -> dict:
+    """Fill ``report['schedules']`` and ``report['ideal']`` from the measured steps of each schedule."""
+    shape = report["shape"]
+    names = list(samples)
+    schedules = {name: schedule_summary(name, samples[name]) for name in names}
+    f_source, b_source = ideal_sources(names, report["meta"]["dp_size"])
+    f = forward_time(samples[f_source])
+    b = backward_time(samples[b_source], shape["num_steps"], shape["steps_per_sample"])
+    ratio = ideal_ratio(shape["num_steps"], shape["steps_per_sample"], f, b)
+    report["ideal"] = {"ratio": ratio, "forward_s": f, "backward_s": b, "forward_source": f_source,
+                       "backward_source": b_source}
+    native = schedules.get("native")
+    for entry in schedules.values():
+        entry["speedup"] = entry["fraction_of_ideal"] = entry["cpu_speedup"] = entry["cpu_fraction_of_ideal"] = None
+        if native is not None:
+            entry["speedup"] = native["step_time_s"]["median"] / entry["step_time_s"]["median"]
+            entry["fraction_of_ideal"] = entry["speedup"] / ratio
+            cpu = entry["cpu_time_s"]["median"]
+            if cpu > 0:
+                entry["cpu_speedup"] = native["cpu_time_s"]["median"] / cpu
+                entry["cpu_fraction_of_ideal"] = entry["cpu_speedup"] / ratio
+    report["schedules"] = schedules
+    return report
+
+
+# ---------------------------------------------------------------------------------------------- markdown
+def _fmt(value: Optional[float], digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _mib(value: Optional[int]) -> str:
+    return "–" if value is None else f"{value / 2**20:.1f}"
+
+
+def _load_note(meta: dict) -> str:
+    load = meta.get("load_average") or {}
+    if not load.get("start") or not load.get("end"):
+        return ""
+    start, end = load["start"][0], load["end"][0]
+    return f" Load average (1 min) {start:.1f} at the start, {end:.1f} at the end of the timed rounds."
+
+
+def _run_header(report: dict) -> list[str]:
+    meta, shape = report["meta"], report["shape"]
+    params, trained = shape["params"] / 1e6, shape["trainable_params"] / 1e6
+    return [f"#### {meta['title']}", "",
+            f"world size {meta['world_size']} ({meta['device']}, {meta['threads']} threads/rank), "
+            f"T={shape['num_steps']}, |S|={shape['steps_per_sample']}, {shape['samples_per_rank']} samples/rank, "
+            f"{shape['tokens']} tokens, {params:.2f} M params ({trained:.2f} M trained), {meta['steps']} measured "
+            f"steps after {meta['warmup']} warm-up, order {', '.join(meta['order'])}.{_load_note(meta)}", ""]
+
+
+def _time_table(report: dict) -> list[str]:
+    lines = ["| schedule | median step (s) | IQR (s) | min–max (s) | speedup vs Native | of ideal | median CPU (s) "
+             "| CPU speedup | of ideal (CPU) | peak mem (MiB) | grad buffers |", "|---" * 11 + "|"]
+    for name, entry in report["schedules"].items():
+        t, c = entry["step_time_s"], entry["cpu_time_s"]
+        lines.append(f"| {name} | {t['median']:.3f} "
+                     f"| {t['q1']:.3f}–{t['q3']:.3f} | {t['min']:.3f}–{t['max']:.3f} | "
+                     f"{_fmt(entry['speedup'], 2, '×')} | {_fmt(entry['fraction_of_ideal'], 2)} | "
+                     f"{c['median']:.3f} | "
+                     f"{_fmt(entry['cpu_speedup'], 2, '×')} | {_fmt(entry['cpu_fraction_of_ideal'], 2)} | "
+                     f"{_mib(entry.get('peak_memory_bytes'))} | "
+                     f"{entry.get('local_grad_buffers', 0)} |")
+    ideal = report["ideal"]
+    lines += ["", f"Ideal ratio {ideal['ratio']:.3f} (F = {ideal['forward_s'] * 1e3:.1f} ms per sample-forward from "
+              f"{ideal['forward_source']}, B = {ideal['backward_s'] * 1e3:.1f} ms per sample-step backward from "
+              f"{ideal['backward_source']}; B/F = {ideal['backward_s'] / ideal['forward_s']:.2f}).", ""]
+    return lines
+
+
+def _phase_table(report: dict) -> list[str]:
+    lines = ["| schedule (mean s) | " + " | ".join(PHASE_LABELS[p] for p in PHASES) + " | step |",
+             "|---" * (len(PHASES) + 2) + "|"]
+    for name, entry in report["schedules"].items():
+        phases = entry["phases_s"]
+        lines.append(f"| {name} | " + " | ".join(f"{phases[p]:.3f}" for p in PHASES)
+                     + f" | {entry['step_time_s']['mean']:.3f} |")
+    return lines
+
+
+def _parity_table(parity: dict) -> list[str]:
+    lines = ["", "| gradient parity vs Native | cosine | rel. L2 | reward max abs diff |", "|---|---|---|---|"]
+    for name, row in parity.items():
+        lines.append(f"| {name} | {row['cosine']:.6f} | {row['rel_l2']:.2e} "
+                     f"| {row['reward_max_abs_diff']:.2e} |")
+    return lines
+
+
+def run_markdown(report: dict) -> str:
+    """The Markdown tables of one benchmark run: step times, phases, and gradient parity when checked."""
+    lines = _run_header(report) + _time_table(report) + _phase_table(report)
+    if report.get("parity"):
+        lines += _parity_table(report["parity"])
+    return "\n".join(lines) + "\n"
+
+
+def sweep_markdown(document: dict) -> str:
+    """A summary table over the runs of a sweep (one row per value)."""
+    sweep = document["sweep"]
+    names = list(document["runs"][0]["schedules"])
+    others = [n for n in names if n != "native"]
+    head = [sweep["key"], "T", "|S|", "tokens", "ideal"] + [f"{n} (s)" for n in names] + \
+        [f"{n} speedup" for n in others] + [f"{n} CPU speedup" for n in others] + [f"{n} MiB" for n in names]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for value, run in zip(sweep["values"], document["runs"]):
+        shape, sched = run["shape"], run["schedules"]
+        cells = [str(value), str(shape["num_steps"]), str(shape["steps_per_sample"]), str(shape["tokens"]),
+                 f"{run['ideal']['ratio']:.3f}"]
+        cells += [f"{sched[n]['step_time_s']['median']:.3f}" for n in names]
+        cells += [_fmt(sched[n]["speedup"], 2, "×") for n in others]
+        cells += [_fmt(sched[n].get("cpu_speedup"), 2, "×") for n in others]
+        cells += [_mib(sched[n].get("peak_memory_bytes")) for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def document_markdown(document: dict) -> str:
+    """Markdown of a whole benchmark document (a sweep summary first when there is one)."""
+    parts = []
+    if document.get("sweep"):
+        parts.append(sweep_markdown(document))
+    parts += [run_markdown(run) for run in document["runs"]]
+    return "\n".join(parts)

@@ -1,0 +1,300 @@
+"""Run the schedules side by side on one config, interleaved, from identical weights (issue 7).
+
+One policy, optimizer, prompt set and reward are built from the config; every schedule gets its own
+:class:`~leangrpo_mcore.engine.step.StepEngine` over them. Rounds run the schedules in a fixed order
+(A, B, C, A, B, C, …) so that slow drifts of the machine hit all of them alike; round r gives every schedule
+the same prompts and seeds (step r), and before each step the weights, optimizer state and LR schedule are
+restored (outside the timed region), so every step does the same work from the same state and the policy
+never drifts. The first ``warmup`` rounds are discarded. Afterwards one untimed step per schedule measures
+peak memory (the CPU meter runs the profiler, which would distort timings), and optionally one more
+compares each schedule's gradient with Native's.
+
+Every rank runs the same loop; the report holds rank 0's measurements.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import platform
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from leangrpo_mcore.bench.probe import ForwardProbe, GradientCapture, TrainingSnapshot, synchronize
+from leangrpo_mcore.bench.report import StepSample, finish_report, split_phases
+from leangrpo_mcore.config import Config
+from leangrpo_mcore.engine import build
+from leangrpo_mcore.engine.launch import DistContext, raise_if_any
+from leangrpo_mcore.engine.optim import trainable_parameters
+from leangrpo_mcore.engine.step import StepEngine, StepInputs, StepResult
+from leangrpo_mcore.engine.trainer import RewardBridge
+from leangrpo_mcore.schedules import SCHEDULES
+
+
+@dataclass(frozen=True)
+class ScheduleVariant:
+    """A benchmarked schedule: a registered schedule plus config settings."""
+
+    schedule: str
+    """Registered schedule name."""
+    settings: tuple[tuple[str, str, object], ...] = ()
+    """(section, field, value) set on a copy of the config."""
+
+
+VARIANTS: dict[str, ScheduleVariant] = {
+    "native": ScheduleVariant("native"),
+    "native_coalesced": ScheduleVariant("native", (("schedule", "coalesce_sync", True),)),
+    "retain": ScheduleVariant("retain"),
+    "reweight": ScheduleVariant("reweight"),
+    "reweight_affine": ScheduleVariant("reweight", (("schedule", "reweight_accumulate", "affine"),)),
+}
+"""Benchmark labels: the three schedules, Native with one coalesced reduce-scatter per update (the
+paper's Table-1 ablation) and Reweight with the affine accumulators."""
+
+
+def parse_schedules(text: str) -> list[str]:
+    """``native,retain,reweight`` → the list of labels; ValueError for unknown or repeated labels."""
+    labels = [item.strip() for item in text.split(",") if item.strip()]
+    if not labels:
+        raise ValueError("--schedules needs at least one schedule")
+    unknown = [label for label in labels if label not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown schedule {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"--schedules lists a schedule twice: {text}")
+    return labels
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to run and measure."""
+
+    schedules: tuple[str, ...] = ("native", "retain", "reweight")
+    """Labels of :data:`VARIANTS`, in the interleaving order."""
+    steps: int = 3
+    """Measured steps per schedule."""
+    warmup: int = 1
+    """Discarded steps per schedule before the measured ones."""
+    measure_memory: bool = True
+    """One extra untimed step per schedule with the peak-memory meter."""
+    check_parity: bool = False
+    """One extra untimed step per schedule comparing its gradient with Native's."""
+    title: str = ""
+    """Heading of the run in the Markdown report."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        parse_schedules(",".join(self.schedules))
+        if self.check_parity and "native" not in self.schedules:
+            raise ValueError("--check-parity compares against Native: include native in --schedules")
+
+
+def variant_config(config: Config, label: str) -> Config:
+    """A copy of ``config`` with the settings of benchmark label ``label``."""
+    variant = VARIANTS[label]
+    out = copy.deepcopy(config)
+    out.schedule.name = variant.schedule
+    for section, name, value in variant.settings:
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class Bench:
+    """The built components and one engine per schedule label."""
+
+    def __init__(self, config: Config, options: BenchOptions, dist_ctx: DistContext) -> None:
+        self.config, self.options, self.dist = config, options, dist_ctx
+        # The trainer's build order: cheap checks and the data side before the policy.
+        self.pctx = build.build_context(config, dist_ctx)
+        build.check_layout_early(config, self.pctx)
+        family, hyper = build.policy_hyper(config)
+        self.data = build.build_data_parts(config, family, hyper, dist_ctx.device)
+        self.parts = build.build_policy_parts(config, self.pctx)
+        self.bridge = RewardBridge(self.data, config)
+        self.engines: dict[str, StepEngine] = {
+            label: build.build_engine(variant_config(config, label), VARIANTS[label].schedule, self.parts,
+                                      self.pctx, self.bridge)
+            for label in options.schedules
+        }
+        first = self.engines[options.schedules[0]]
+        self.probe = ForwardProbe(first.velocity_fn, dist_ctx.device)
+        for engine in self.engines.values():
+            engine.velocity_fn = self.probe
+            engine.measure_memory = False
+        self.params = trainable_parameters(self.parts.policy)
+        self.parts.optimizer.register_step_post_hook(self.probe.after_optimizer_step)
+        self.capture = GradientCapture(self.parts.optimizer, self.params)
+        self.snapshot = TrainingSnapshot.primed(self.params, self.parts.optimizer, self.parts.lr_scheduler)
+        self.last_cpu_seconds = 0.0
+        """Process CPU time of the last :meth:`step`."""
+        self.grad_buffers: dict[str, int] = {}
+        """Most provisional gradients held at once in a step, per label (Reweight)."""
+
+    def inputs(self, step: int) -> StepInputs:
+        """The prompts and seeds of round ``step`` (the same for every schedule)."""
+        ids = self.data.sampler.next_indices()
+        conditioning = self.data.text_encoder.encode(self.data.dataset.get(ids))
+        return StepInputs(step=step, conditioning=conditioning, prompt_ids=torch.tensor(ids, dtype=torch.long))
+
+    def step(self, label: str, inputs: StepInputs) -> tuple[float, StepResult]:
+        """Restore the saved state, then run and time one step of ``label`` (wall seconds, result)."""
+        engine = self.engines[label]
+        self.snapshot.restore()
+        self.bridge.begin_step(capture=False)
+        self.probe.begin_step(SCHEDULES[engine.plan.schedule].recompute_free)
+        _barrier()
+        synchronize(self.dist.device)
+        begin, cpu_begin = time.perf_counter(), time.process_time()
+        result = engine.step(inputs)
+        synchronize(self.dist.device)
+        seconds, self.last_cpu_seconds = time.perf_counter() - begin, time.process_time() - cpu_begin
+        raise_if_any(self.bridge.error)
+        return seconds, result
+
+    def measure(self) -> dict[str, list[StepSample]]:
+        """Interleaved rounds; the measured steps of each label (warm-up rounds dropped)."""
+        opts = self.options
+        samples: dict[str, list[StepSample]] = {label: [] for label in opts.schedules}
+        for round_index in range(opts.warmup + opts.steps):
+            inputs = self.inputs(round_index)
+            for label in opts.schedules:
+                seconds, result = self.step(label, inputs)
+                self.grad_buffers[label] = max(u.max_local_grad_buffers for u in result.updates)
+                if round_index < opts.warmup:
+                    continue
+                tally = self.probe.tally
+                samples[label].append(StepSample(seconds=seconds, cpu_seconds=self.last_cpu_seconds,
+                                                 phases=split_phases(seconds, result.timings, tally),
+                                                 forward_seconds=dict(tally.seconds), forward_rows=dict(tally.rows)))
+        return samples
+
+    def memory(self, inputs: StepInputs) -> dict[str, Optional[int]]:
+        """Peak memory above the step's start per label (one untimed step each), or None when not measured."""
+        out: dict[str, Optional[int]] = {}
+        for label in self.options.schedules:
+            if not self.options.measure_memory:
+                out[label] = None
+                continue
+            engine = self.engines[label]
+            engine.measure_memory = True
+            try:
+                out[label] = self.step(label, inputs)[1].peak_memory_bytes
+            finally:
+                engine.measure_memory = False
+        return out
+
+    def parity(self, inputs: StepInputs) -> dict[str, dict]:
+        """Each label's first-update gradient against Native's on the same rollout (cosine, relative L2)."""
+        grads, rewards = {}, {}
+        for label in self.options.schedules:
+            with self.capture.capturing():
+                _, result = self.step(label, inputs)
+            update = result.updates[0]
+            scale = 1.0
+            if update.clipped:
+                # Undo the clip (it scales by max_norm / (norm + 1e-6)), so a wrong gradient scale shows up.
+                scale = (update.grad_norm + 1e-6) / self.config.optim.max_grad_norm
+            grads[label] = [None if g is None else g * scale for g in self.capture.grads]
+            rewards[label] = result.rewards
+        return {label: _compare(grads["native"], grads[label], rewards["native"], rewards[label])
+                for label in self.options.schedules if label != "native"}
+
+    def shape(self) -> dict:
+        """T, |S|, samples per rank, tokens and parameter counts of the benchmarked setup."""
+        plan = next(iter(self.engines.values())).plan
+        policy = self.parts.policy
+        trainable = sum(p.numel() for p in self.params)
+        return {"family": self.config.model.family, "num_steps": plan.num_steps,
+                "steps_per_sample": plan.steps_per_sample, "group_size": plan.group_size,
+                "prompts_per_step": plan.prompts_per_step, "micro_batch": plan.micro_batch,
+                "samples_per_rank": plan.prompts_per_step * plan.group_size // self.pctx.dp_size,
+                "tokens": _tokens(self.config.model.family, plan.latent_shape, policy),
+                "latent_shape": list(plan.latent_shape), "params": sum(p.numel() for p in policy.parameters()),
+                "trainable_params": trainable, "lora_rank": self.config.model.lora.rank,
+                "gradient_bytes": sum(p.numel() * p.element_size() for p in self.params),
+                "dtype": self.config.model.dtype}
+
+    def meta(self) -> dict:
+        """Where and how the run was measured."""
+        device = self.dist.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+        return {"title": self.options.title, "world_size": self.dist.world_size, "dp_size": self.pctx.dp_size,
+                "tp": self.pctx.layout.tp, "device": f"{device.type}: {name}", "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "steps": self.options.steps, "warmup": self.options.warmup,
+                "order": list(self.options.schedules)}
+
+    def run(self) -> dict:
+        """Measure, probe memory (and parity), restore the start state; the report of this run."""
+        load_start = _load_average()
+        samples = self.measure()
+        load_end = _load_average()
+        probe_inputs = self.inputs(self.options.warmup + self.options.steps)
+        memory = self.memory(probe_inputs)
+        parity = self.parity(probe_inputs) if self.options.check_parity else None
+        self.snapshot.restore()
+        meta = {**self.meta(), "load_average": {"start": load_start, "end": load_end}}
+        report = finish_report({"meta": meta, "shape": self.shape()}, samples)
+        for label, entry in report["schedules"].items():
+            entry["peak_memory_bytes"] = memory[label]
+            entry["local_grad_buffers"] = self.grad_buffers[label]
+        if parity is not None:
+            report["parity"] = parity
+        return report
+
+
+def _load_average() -> Optional[list[float]]:
+    """The machine's 1, 5 and 15 minute load averages (None where the OS has none): a shared box shows here."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _tokens(family: str, latent_shape: tuple[int, ...], policy: torch.nn.Module) -> int:
+    """Image tokens the policy attends over: FLUX packed tokens, Wan latent patches."""
+    if family == "flux":
+        return int(latent_shape[0])
+    patch = policy.config.to_diffusers_config()["patch_size"]
+    return math.prod(int(n) // int(p) for n, p in zip(latent_shape[1:], patch))
+
+
+def _compare(reference: list, grads: list, ref_rewards: torch.Tensor, rewards: torch.Tensor) -> dict:
+    """Cosine and relative L2 distance of two gradient lists (local shards summed over all ranks)."""
+    sums = torch.zeros(4, dtype=torch.float64)
+    for a, b in zip(reference, grads):
+        a = torch.zeros(()) if a is None else a.double().cpu()
+        b = torch.zeros(()) if b is None else b.double().cpu()
+        sums += torch.stack([(a * b).sum(), (a * a).sum(), (b * b).sum(), ((a - b) ** 2).sum()])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        sums = sums.to(device)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    dot, ref_sq, other_sq, diff_sq = sums.tolist()
+    cosine = dot / math.sqrt(ref_sq * other_sq) if ref_sq > 0 and other_sq > 0 else float("nan")
+    return {"cosine": cosine, "rel_l2": math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else float("nan"),
+            "reward_max_abs_diff": float((ref_rewards.double() - rewards.double()).abs().max())}
+
+
+def run_benchmark(config: Config, options: BenchOptions, dist_ctx: DistContext) -> dict:
+    """Build everything for ``config`` and benchmark ``options.schedules``; the run's report (every rank)."""
+    return Bench(config, options, dist_ctx).run()
+
+
+def bench_document(runs: list[dict], sweep_key: Optional[str] = None, sweep_values: Optional[list] = None) -> dict:
+    """The JSON document of one run or of a sweep (one run per value)."""
+    sweep = None if sweep_key is None else {"key": sweep_key, "values": list(sweep_values or [])}
+    return {"version": 1, "sweep": sweep, "runs": runs}
