@@ -161,8 +161,11 @@ class ParallelConfig:
     """FSDP2 MixedPrecisionPolicy parameter dtype."""
     reduce_dtype: str = option("float32", choices=("float32", "bfloat16"))
     """FSDP2 MixedPrecisionPolicy gradient-reduction dtype."""
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered parameters after each block's forward."""
+    reshard_after_forward: Optional[bool] = None
+    """FSDP2: free gathered parameters after each block's forward (true) or keep every block gathered from its
+    first forward until the optimizer step (false: more memory, no regathering). null (auto): true, except for
+    Reweight when data-parallel ranks train different steps (DanceGRPO selection; SDE windows of different
+    prompts), which needs false; true is refused there."""
 
 
 @dataclass

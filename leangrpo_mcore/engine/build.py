@@ -158,8 +158,7 @@ def build_policy_parts(config: Config, pctx: ParallelContext) -> PolicyParts:
     policy.to(pctx.device)
     tp_layout = capture_tp_layout(policy)
     par = config.parallel
-    apply_fsdp(policy, pctx, param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype,
-               reshard_after_forward=par.reshard_after_forward)
+    apply_fsdp(policy, pctx, param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype)
     params = trainable_parameters(policy)
     optimizer = build_optimizer(params, config.optim)
     scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps)

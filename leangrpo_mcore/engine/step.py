@@ -25,6 +25,8 @@ from leangrpo_mcore.diffusion.sampler import SDEParams, draw_rollout_inputs, rol
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
+from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
+from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
 from leangrpo_mcore.parallel.grad_sync import GradSync
 from leangrpo_mcore.parallel.groups import (PromptShare, assign_samples, build_group_process_groups, check_layout,
                                             gather_group_rewards, gather_step_rewards)
@@ -82,6 +84,8 @@ class StepPlan:
     """train.seed: every random draw derives from it."""
     same_latent: bool = False
     """Share the initial noise within a prompt group."""
+    reshard_after_forward: Optional[bool] = None
+    """parallel.reshard_after_forward (None: auto, see :func:`keep_parameters_gathered`)."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, latent_shape: tuple[int, ...], sigmas: torch.Tensor,
@@ -101,6 +105,7 @@ class StepPlan:
             updates_per_rollout=g.updates_per_rollout, sync="coalesced" if cfg.schedule.coalesce_sync else None,
             reweight_accumulate=cfg.schedule.reweight_accumulate, max_grad_norm=cfg.optim.max_grad_norm,
             seed=cfg.train.seed, same_latent=s.same_latent,
+            reshard_after_forward=cfg.parallel.reshard_after_forward,
         )
 
     @property
@@ -138,6 +143,16 @@ class StepPlan:
                              prompts_per_step=self.prompts_per_step, adv_clip_max=self.adv_clip_max,
                              global_std=self.global_std)
 
+    def selection_varies(self, ctx: ParallelContext) -> bool:
+        """Whether the data-parallel ranks train different steps in one round."""
+        return selection_varies_across_ranks(self.selection["method"], layout=self.layout,
+                                             group_size=self.group_size, dp_size=ctx.dp_size)
+
+    def keeps_gathered(self, ctx: ParallelContext) -> bool:
+        """Whether FSDP2 keeps the parameters gathered from the first forward to the optimizer step."""
+        return keep_parameters_gathered(self.reshard_after_forward, schedule=self.schedule,
+                                        varies=self.selection_varies(ctx))
+
     def schedule_options(self, name: str) -> dict:
         """Constructor options of schedule ``name``."""
         return {"plan": self.reweight_plan()} if name == "reweight" else {}
@@ -154,6 +169,11 @@ class StepPlan:
         check_selection(sel["method"], self.num_steps, sel["fraction"], sel.get("window_size", 0),
                         sel.get("window_range", (0, 1)))
         check_layout(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step)
+        if (self.schedule == "reweight" and self.reshard_after_forward and int(ctx.layout.dp_shard) > 1
+                and self.selection_varies(ctx)):
+            raise ValueError(f"Reweight with {sel['method']} selection trains different steps on different ranks: "
+                             "its immediate backwards cannot regather FSDP2 blocks in step; set "
+                             "parallel.reshard_after_forward=false (or null)")
         if sel["method"] == "dance_grpo" and self.micro_batch > 1:
             raise ValueError("dance_grpo selection trains different steps per sample: use schedule.micro_batch=1")
         if self.prompts_per_step % self.updates_per_rollout:
@@ -283,6 +303,8 @@ class StepEngine:
 
     def _run(self, inputs: StepInputs, timer: PhaseTimer) -> StepResult:
         plan = self.plan
+        reshard_policy(self.policy)  # a forward outside the engine (samples, probes) may have left units gathered
+        set_gathered(self.policy, plan.keeps_gathered(self.ctx))
         first = self._schedule(plan.schedule, timer)
         first.begin_update(loss_weight(plan.samples_per_update, plan.steps_per_sample))
         records: list[GroupRecord] = []
@@ -385,6 +407,7 @@ class StepEngine:
     def _finish(self, schedule, timer: PhaseTimer) -> UpdateResult:
         """Finish the schedule's update, clip, step the optimizer; statistics over the ranks."""
         stats: UpdateStats = schedule.finish_update()
+        reshard_policy(self.policy)  # gathered parameters would be stale after the optimizer step
         with timer.phase("clip"):
             norm, clipped = clip_grad_norm_(self.params, self.plan.max_grad_norm, self.ctx)
         with timer.phase("optimizer"):

@@ -27,6 +27,7 @@ from leangrpo_mcore.parallel.arch_specs import (
     params_per_rank,
     tp_allreduce_elements,
 )
+from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
 from leangrpo_mcore.parallel.workload import SCHEDULES, Hardware, Layout, Shape, Workload, sample_shape
 
 
@@ -48,6 +49,16 @@ def _reweight_buffers(work: Workload, shape: Shape) -> int:
     q, b = shape.generations_per_rank, shape.micro_batch
     live = min(q, b + 2) if work.reweight_accumulate == "affine" else q
     return live + (1 if work.kl_beta > 0 else 0)  # KL: a separate unscaled accumulator
+
+
+def _for_schedule(work: Workload, layout: Layout, schedule: str) -> Workload:
+    """``work`` with ``reshard_after_forward`` resolved for ``schedule`` (None: the engine's automatic choice)."""
+    if work.reshard_after_forward is not None:
+        return work
+    varies = selection_varies_across_ranks(work.selection, layout=work.layout, group_size=work.group_size,
+                                           dp_size=layout.dp)
+    gathered = keep_parameters_gathered(None, schedule=schedule, varies=varies)
+    return replace(work, reshard_after_forward=not gathered)
 
 
 def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dict[str, int]:
@@ -118,6 +129,7 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
     """
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
+    work = _for_schedule(work, layout, schedule)
     m = _memory_terms(work, hw, layout, ac)
     base = {k: m[k] for k in ("weights", "optimizer", "gathered_params", "reference", "reserved")}
     unsharded = m["gradient_buffer"] if _coalesced(work, schedule) else 0
@@ -213,6 +225,7 @@ def _sync_count(work: Workload, shape: Shape, schedule: str) -> float:
 
 def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> dict[str, float]:
     """Seconds per optimizer step by component (the sum is the step time)."""
+    work = _for_schedule(work, layout, schedule)
     shape = sample_shape(work, layout)
     rates, n, mb = _rates(work, hw, layout, ac), shape.samples, shape.micro_batches
     steps, extra = work.selected_steps, work.updates_per_rollout - 1

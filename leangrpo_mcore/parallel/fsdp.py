@@ -51,12 +51,13 @@ def apply_fsdp(
     *,
     param_dtype: str = "float32",
     reduce_dtype: str = "float32",
-    reshard_after_forward: bool = True,
 ) -> torch.nn.Module:
     """Shard ``model`` in place over ``ctx.dp_mesh`` and return it; a no-op without data parallelism.
 
     ``model.blocks()`` gives the transformer blocks (each its own FSDP unit); the remaining parameters
     (embedders, final layer) form the root unit.
+
+    The step engine sets the resharding of each step with :func:`set_gathered`.
     """
     if ctx.dp_mesh is None:
         return model
@@ -67,8 +68,8 @@ def apply_fsdp(
     saved = _tp_attributes(model)
     mp_policy = mixed_precision_policy(param_dtype, reduce_dtype)
     for block in model.blocks():
-        fully_shard(block, mesh=ctx.dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=ctx.dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=ctx.dp_mesh, mp_policy=mp_policy, reshard_after_forward=True)
+    fully_shard(model, mesh=ctx.dp_mesh, mp_policy=mp_policy, reshard_after_forward=True)
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)
@@ -76,3 +77,26 @@ def apply_fsdp(
         for attr, value in saved.get(name, {}).items():
             setattr(param, attr, value)
     return model
+
+
+def set_gathered(model: torch.nn.Module, gathered: bool) -> None:
+    """Keep every FSDP2 unit's parameters gathered from its first forward until :func:`reshard_policy`
+    (``gathered``), or free them after each forward and backward (FSDP2's ``reshard_after_forward``).
+
+    Gathered, a step issues no parameter collective after the first gather of each unit: the repeated
+    all-gathers are saved (at the cost of the full parameters in memory), and ranks whose trained steps differ
+    can run their immediate backwards (Reweight) without meeting at every unit's gather.
+    """
+    for module in fsdp_modules(model):
+        module.set_reshard_after_forward(not gathered, recurse=False)
+        module.set_reshard_after_backward(not gathered, recurse=False)
+
+
+def reshard_policy(model: torch.nn.Module) -> None:
+    """Free every gathered FSDP2 unit of ``model`` (a no-op for sharded units and plain modules).
+
+    Needed before the optimizer steps when parameters stay gathered (``reshard_after_forward=False``): the
+    optimizer updates the shards, so a gathered copy would be stale at the next forward.
+    """
+    for module in fsdp_modules(model):
+        module.reshard()

@@ -279,6 +279,7 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
         reward_seconds=reward_seconds, reward_mem_bytes=int(reward_mem_gb * GiB), decode_bytes=decode_bytes,
         optimizer=config.optim.name,
         momentum=config.optim.momentum, reshard_after_forward=config.parallel.reshard_after_forward,
+        selection=config.grpo.timestep_selection,
         reweight_accumulate=_reweight_accumulate(config), coalesce_sync=config.schedule.coalesce_sync,
         layout=config.parallel.layout)
 

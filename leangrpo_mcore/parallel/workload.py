@@ -110,7 +110,10 @@ class Workload:
     False: one parameter at a time (torch's default on CPU)."""
     optimizer: str = "adamw"
     momentum: float = 0.0
-    reshard_after_forward: bool = True
+    reshard_after_forward: Optional[bool] = None
+    """FSDP2 resharding (parallel.reshard_after_forward); None: the step engine's automatic choice per schedule."""
+    selection: str = "flow_grpo"
+    """grpo.timestep_selection (whether ranks train different steps)."""
     reweight_accumulate: str = "per_sample"
     coalesce_sync: bool = False
     layout: str = "shared"

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.distributed
 
 FLUX = Case(family="flux")
 WAN_LORA_KL = Case(family="wan", lora=True, kl_beta=20.0, global_std=True)
+# per-sample selected steps and a second (Native) update after the first optimizer step
+GATHERED = FLUX.but(selection="dance_grpo", fraction=0.5, updates=2)
 
 
 def _all_configurations(rank: int, world_size: int) -> dict:
@@ -37,7 +39,15 @@ def _all_configurations(rank: int, world_size: int) -> dict:
         "conv_retain": WAN_LORA_KL.but(layout="conventional", schedule="retain", sync="per_backward"),
         "conv_reweight": WAN_LORA_KL.but(layout="conventional", schedule="reweight", accumulate="affine"),
     }
+    for schedule in ("native", "retain", "reweight"):
+        runs[f"gathered_{schedule}"] = GATHERED.but(schedule=schedule, reshard=False)
+    runs.update(sharded_native=GATHERED.but(reshard=True), sharded_retain=GATHERED.but(schedule="retain", reshard=True),
+                auto_reweight=GATHERED.but(schedule="reweight"))
     out = {name: run_case(case) for name, case in runs.items()}
+    try:
+        run_case(GATHERED.but(schedule="reweight", reshard=True))
+    except ValueError as err:
+        out["refused"] = str(err)
     destroy_parallel_context()
     for family, case in (("flux", FLUX), ("wan", WAN_LORA_KL)):
         for schedule in ("native", "retain", "reweight"):
@@ -72,6 +82,26 @@ def test_fsdp_shared_layout(results):
     # the shared layout splits every group: rank r made generations r and r + 2 of each prompt
     assert not np.array_equal(ranks[0]["shared_native"].trajectory, ranks[1]["shared_native"].trajectory)
     assert bitwise(ranks[0]["shared_retain"].params, ranks[1]["shared_retain"].params)
+
+
+def test_parameters_kept_gathered_through_the_step(results):
+    """reshard_after_forward=False: same numbers as resharding (no stale gathered copy after an optimizer
+    step); DanceGRPO selection differs per rank, so Reweight keeps parameters gathered by default and refuses
+    to reshard (its immediate backwards would pair all-gathers of different blocks across ranks)."""
+    ranks, _ = results
+    for out in ranks:
+        for schedule in ("native", "retain"):
+            sharded, gathered = out[f"sharded_{schedule}"], out[f"gathered_{schedule}"]
+            assert len(gathered.grads) == 2  # the second update recomputes after the first optimizer step
+            assert np.array_equal(sharded.trajectory, gathered.trajectory)
+            assert all(bitwise(s, g) for s, g in zip(sharded.grads, gathered.grads))
+            assert bitwise(sharded.params, gathered.params)
+        native, reweight = out["sharded_native"], out["gathered_reweight"]
+        assert np.array_equal(native.trajectory, reweight.trajectory)
+        assert all(rel_l2(n, w) < 1e-6 for n, w in zip(native.grads, reweight.grads))
+        assert rel_l2(native.params, reweight.params) < 1e-6
+        assert bitwise(out["auto_reweight"].params, reweight.params)
+        assert "parallel.reshard_after_forward=false" in out["refused"]
 
 
 def test_fsdp_conventional_layout_wan_cfg_lora_kl(results):

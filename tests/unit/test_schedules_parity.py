@@ -53,6 +53,8 @@ class Case:
     accumulate: str = "per_sample"
     num_steps: int = 4
     tp: int = 1
+    reshard: Optional[bool] = None
+    """parallel.reshard_after_forward (False: parameters stay gathered until the optimizer step; None: auto)."""
 
     def but(self, **changes) -> "Case":
         """A copy with ``changes``."""
@@ -154,7 +156,7 @@ def run_case(case: Case) -> Outcome:
                    "window_range": (0, 2)},
         advantage=case.advantage, adv_clip_max=case.adv_clip_max, global_std=case.global_std, layout=case.layout,
         micro_batch=case.micro_batch, updates_per_rollout=case.updates, sync=case.sync,
-        reweight_accumulate=case.accumulate, max_grad_norm=1.0, seed=3,
+        reweight_accumulate=case.accumulate, max_grad_norm=1.0, seed=3, reshard_after_forward=case.reshard,
     )
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = RecordingSGD(params, lr=0.5)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The CPU benchmark runs recorded in BENCHMARKS.md, one after the other (about 35 minutes on 2 cores).
+#
+#   tools/cpu_bench.sh [OUT_DIR]        (default runs/bench/cpu; run it on an otherwise idle machine)
+#
+# Every run writes OUT_DIR/NAME.{json,md,png} and its log OUT_DIR/NAME.log. World size 1 runs one process with
+# one thread; world size 2 runs two gloo ranks of one thread each, so a rank computes alike in both.
+set -euo pipefail
+
+OUT=${1:-runs/bench/cpu}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+
+one()  { local name=$1; shift; echo "== $name (world size 1)"
+         OMP_NUM_THREADS=1 python -m leangrpo_mcore.cli.bench "$@" --json "$OUT/$name.json" --markdown "$OUT/$name.md" \
+           --plot "$OUT/$name.png" > "$OUT/$name.log" 2>&1; }
+two()  { local name=$1; shift; echo "== $name (world size 2)"
+         OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 -m leangrpo_mcore.cli.bench "$@" \
+           --json "$OUT/$name.json" --markdown "$OUT/$name.md" --plot "$OUT/$name.png" > "$OUT/$name.log" 2>&1; }
+
+B=yaml_configs/bench
+ALL=native,native_coalesced,retain,reweight
+two flux_flowgrpo_ws2      --config $B/flux_flowgrpo.yaml      --schedules $ALL --steps 7 --warmup 1 --check-parity
+one flux_flowgrpo_ws1      --config $B/flux_flowgrpo.yaml      --steps 7 --warmup 1
+two flux_flowgrpo_lora_ws2 --config $B/flux_flowgrpo_lora.yaml --schedules $ALL --steps 5 --warmup 1
+one flux_flowgrpo_lora_ws1 --config $B/flux_flowgrpo_lora.yaml --steps 5 --warmup 1
+two wan_dancegrpo_ws2      --config $B/wan_dancegrpo.yaml      --schedules $ALL --steps 5 --warmup 1 --check-parity
+# every schedule with the parameters kept gathered (Reweight keeps them gathered under DanceGRPO selection anyway)
+two wan_dancegrpo_gathered_ws2 --config $B/wan_dancegrpo.yaml  --schedules $ALL --steps 5 --warmup 1 \
+                           parallel.reshard_after_forward=false
+one wan_dancegrpo_ws1      --config $B/wan_dancegrpo.yaml      --steps 5 --warmup 1
+two wan_dancegrpo_all_steps_ws2 --config $B/wan_dancegrpo_all_steps.yaml --schedules $ALL --steps 3 --warmup 1
+one wan_dancegrpo_all_steps_ws1 --config $B/wan_dancegrpo_all_steps.yaml --steps 3 --warmup 1
+two wan_dancegrpo_lora_ws2 --config $B/wan_dancegrpo_lora.yaml --schedules $ALL --steps 3 --warmup 1
+two sweep_selected_ws2     --config $B/flux_sweep.yaml --steps 3 --warmup 1 \
+                           --sweep grpo.timestep_fraction=0.17,0.34,0.5,0.67,0.99
+one sweep_selected_ws1     --config $B/flux_sweep.yaml --steps 3 --warmup 1 \
+                           --sweep grpo.timestep_fraction=0.17,0.34,0.5,0.67,0.99
+two sweep_tokens_ws2       --config $B/flux_sweep.yaml --steps 3 --warmup 1 --sweep sampler.height=128,256,512
+echo "done: $OUT"
