@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The CPU benchmark runs recorded in BENCHMARKS.md, one after the other (about 35 minutes on 2 cores).
 #
-#   tools/cpu_bench.sh [OUT_DIR]        (default runs/bench/cpu; run it on an otherwise idle machine)
+#   . .venv/bin/activate && tools/cpu_bench.sh [OUT_DIR]   (default runs/bench/cpu; an otherwise idle machine)
 #
 # Every run writes OUT_DIR/NAME.{json,md,png} and its log OUT_DIR/NAME.log. World size 1 runs one process with
 # one thread; world size 2 runs two gloo ranks of one thread each, so a rank computes alike in both.
 set -euo pipefail
+command -v torchrun >/dev/null || { echo "cpu_bench: torchrun not found: activate the environment that has the package" >&2; exit 2; }
 
 OUT=${1:-runs/bench/cpu}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 
 one()  { local name=$1; shift; echo "== $name (world size 1)"

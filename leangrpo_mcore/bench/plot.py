@@ -73,7 +73,7 @@ def plot_document(document: dict, path: str | Path, title: str = "") -> Path:
                 draw.rectangle([x, y - h, x + BAR, y], fill=COLORS[phase])
             y -= h
         draw.text((x, y - 16), speedup, fill="black", font=small)
-        for j, part in enumerate(label.split(" ")):
+        for j, part in enumerate(label.replace("_", " ").split()):  # one word per line: labels stay under their bar
             draw.text((x, base + 6 + 14 * j), part, fill="black", font=small)
     draw.line([(LEFT, TOP), (LEFT, base)], fill="black")
     draw.line([(LEFT, base), (LEFT + len(bars) * (BAR + GAP) + GAP, base)], fill="black")

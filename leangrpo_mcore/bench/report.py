@@ -225,7 +225,7 @@ def sweep_markdown(document: dict) -> str:
     sweep = document["sweep"]
     names = list(document["runs"][0]["schedules"])
     others = [n for n in names if n != "native"]
-    head = [sweep["key"], "T", "|S|", "tokens", "ideal"] + [f"{n} (s)" for n in names] + \
+    head = [sweep["key"], "T", r"\|S\|", "tokens", "ideal"] + [f"{n} (s)" for n in names] + \
         [f"{n} speedup" for n in others] + [f"{n} CPU speedup" for n in others] + [f"{n} MiB" for n in names]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for value, run in zip(sweep["values"], document["runs"]):
