@@ -146,8 +146,7 @@ class Trainer:
         self.parts = build.build_policy_parts(config, self.pctx)
         self.bridge = RewardBridge(self.data, config)
         self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
-        if self.pctx.dp_size > 1 and config.parallel.reshard_after_forward is None and \
-                self.engine.plan.keeps_gathered(self.pctx):
+        if config.parallel.reshard_after_forward is None and self.engine.plan.keeps_gathered(self.pctx):
             logger.info("FSDP2 keeps the parameters gathered through each step: %s trains different steps on "
                         "different ranks (parallel.reshard_after_forward=null)", config.grpo.timestep_selection)
         self.guard = NonFiniteGuard(self.parts.optimizer)
