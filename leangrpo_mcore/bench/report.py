@@ -4,7 +4,7 @@ A step's wall time is split into :data:`PHASES`, which sum to it exactly: the fo
 :class:`~leangrpo_mcore.bench.probe.ForwardProbe` and the engine's phase timer, with ``other`` the rest
 (SDE and log-prob math of the rollout, KL reference forwards during the rollout, bookkeeping).
 
-The ideal ratio (issue 7) is the speedup a recompute-free schedule would reach if a step cost only its
+The ideal ratio is the speedup a recompute-free schedule would reach if a step cost only its
 policy forwards and backwards: per trajectory Native costs T·F + |S|·(F + B), a Lean schedule T·F + |S|·B,
 with F the time of one sample-forward and B of one sample-step backward, both measured in the same run.
 B is read from a schedule whose backward synchronises nothing (:func:`ideal_sources`), so that a

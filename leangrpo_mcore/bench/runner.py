@@ -1,4 +1,4 @@
-"""Run the schedules side by side on one config, interleaved, from identical weights (issue 7).
+"""Run the schedules side by side on one config, interleaved, from identical weights.
 
 One policy, optimizer, prompt set and reward are built from the config; every schedule gets its own
 :class:`~leangrpo_mcore.engine.step.StepEngine` over them. Rounds run the schedules in a fixed order

@@ -29,8 +29,3 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         return 130
     return int(code or 0)
 
-
-def not_implemented(command: str, issue: int) -> int:
-    """The answer of an entry point whose feature has not landed yet."""
-    print(f"{command}: not implemented yet, see issue {issue}", file=sys.stderr)
-    return 1

@@ -28,7 +28,7 @@ MAX_TABLE_RANKS = 64
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``leangrpo-plan`` (issue 6's flags plus a few hardware knobs)."""
+    """The argument parser of ``leangrpo-plan`` (experiment and hardware flags)."""
     p = argparse.ArgumentParser(prog="leangrpo-plan", description="Plan the schedule, TP/FSDP/HSDP degrees and "
                                 "prompt-group placement of a run; exit 1 when nothing fits, 2 on bad input.")
     p.add_argument("--model", help=f"{', '.join(BUILTIN_PRESETS)}, a diffusers transformer config.json / directory, "

@@ -17,7 +17,7 @@ SIGMA_SCHEDULES = ("flux", "sd3", "dance", "wan")
 
 @dataclass
 class SamplerConfig:
-    """How a trajectory is rolled out (ALGORITHMS.md §2-3)."""
+    """How a trajectory is rolled out (docs/algorithms.md §2-3)."""
 
     sde_kind: str = option("flow_grpo", choices=SDE_KINDS)
     """SDE step variant: flow_grpo (FlowGRPO sde), flow_grpo_cps, wan (FlowGRPO's Wan step), dance_grpo."""
@@ -51,7 +51,7 @@ class SamplerConfig:
 
 @dataclass
 class GRPOConfig:
-    """Advantages, the clipped surrogate, KL and the selected steps (ALGORITHMS.md §4)."""
+    """Advantages, the clipped surrogate, KL and the selected steps (docs/algorithms.md §4)."""
 
     group_size: int = option(4, ge=1)
     """M, the generations per prompt."""

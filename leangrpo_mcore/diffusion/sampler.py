@@ -4,7 +4,7 @@ The schedule decides, per step, whether the forward runs with gradients (``grad_
 hands every step to an ``on_step`` callback as a :class:`StepRecord`, whose ``sde`` carries the graph of
 that step when gradients were on (Retain keeps it, Reweight backpropagates it at once, Native never asks
 for one). The latent is detached between steps, so no gradient flows along the trajectory
-(ALGORITHMS.md §6), and every stored tensor is float32 (§7): the update evaluates log p at exactly the
+(docs/algorithms.md §6), and every stored tensor is float32 (§7): the update evaluates log p at exactly the
 x_{t+1} drawn here.
 """
 
@@ -25,7 +25,7 @@ from leangrpo_mcore.diffusion.velocity import VelocityFn
 
 @dataclass(frozen=True)
 class SDEParams:
-    """The SDE variant of a run and its schedule constants (ALGORITHMS.md §2)."""
+    """The SDE variant of a run and its schedule constants (docs/algorithms.md §2)."""
 
     kind: str
     """One of ``SDE_KINDS``."""

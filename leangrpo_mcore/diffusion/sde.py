@@ -1,4 +1,4 @@
-"""One stochastic denoising step with its Gaussian log-density (ALGORITHMS.md §2, issue 2 §3).
+"""One stochastic denoising step with its Gaussian log-density (docs/algorithms.md §2).
 
 Variants, selected by name (``SDE_KINDS``):
 
@@ -15,7 +15,7 @@ Variants, selected by name (``SDE_KINDS``):
 Conventions: σ = ``sigma`` and σ' = ``sigma_next`` are per-sample (B,) tensors (a float or 0-d tensor is
 broadcast to the batch), dt = σ' − σ < 0. All math runs in float32 whatever the input dtype. ``log_prob`` is the
 mean over all non-batch dimensions (not the sum), shape (B,), accumulated in float64 and returned as float32
-(ALGORITHMS.md §7). ``std`` is the transition std s with shape (B, 1, ..., 1), broadcastable to the sample.
+(docs/algorithms.md §7). ``std`` is the transition std s with shape (B, 1, ..., 1), broadcastable to the sample.
 ``prev_sample`` is always returned detached: GRPO differentiates log p through the mean only.
 """
 
@@ -103,7 +103,7 @@ def transition_std(
     """Transition std ``s`` and ``std_t`` of step σ → σ' for ``kind`` (elementwise, float32).
 
     ``s`` is what the log-density uses; ``std_t`` (s without sqrt(−dt)) is what FlowGRPO's SD3/FLUX KL
-    divides by (ALGORITHMS.md §4). ``sigma_max`` is needed by ``flow_grpo`` when σ == 1 and by ``wan``,
+    divides by (docs/algorithms.md §4). ``sigma_max`` is needed by ``flow_grpo`` when σ == 1 and by ``wan``,
     ``sigma_min`` by ``wan``. Checks σ' < σ (one host sync on an accelerator).
     """
     _check_kind(kind)

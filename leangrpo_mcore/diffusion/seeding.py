@@ -1,4 +1,4 @@
-"""Seeds of every random draw of a training step, from ``train.seed`` alone (issue 4, ALGORITHMS.md §7).
+"""Seeds of every random draw of a training step, from ``train.seed`` alone (docs/algorithms.md §7).
 
 A draw is named by a *purpose* and integer coordinates: the training step, the prompt slot within the step
 (0 .. prompts_per_step − 1), the generation within the prompt's group and, for SDE noise, the denoising

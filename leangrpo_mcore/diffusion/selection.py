@@ -1,4 +1,4 @@
-"""The selected (trained) steps S of every sample, drawn before the rollout (ALGORITHMS.md §4, §7).
+"""The selected (trained) steps S of every sample, drawn before the rollout (docs/algorithms.md §4, §7).
 
 Three methods, matching the baselines:
 

@@ -1,4 +1,4 @@
-"""Sigma schedules of the flow-matching samplers (ALGORITHMS.md §3).
+"""Sigma schedules of the flow-matching samplers (docs/algorithms.md §3).
 
 Every schedule is a 1-D float32 tensor of ``num_steps + 1`` sigmas that starts at 1 (pure noise) and
 decreases to a final sigma of exactly 0 (the clean sample). Step ``t`` of a trajectory maps the latent at

@@ -1,10 +1,10 @@
-"""Rollout records: the conditioning of a batch and the trajectories it produced (issue 2 §3).
+"""Rollout records: the conditioning of a batch and the trajectories it produced.
 
 Only tensors cross the rollout → reward → update boundary (STYLE.md); both dataclasses check their
 shapes on construction and keep the batch dimension first so that ``select``/``split``/``cat`` are one
 indexing operation per field.
 
-Memory: latents are stored in float32 (ALGORITHMS.md §7), so the update evaluates log p at exactly the
+Memory: latents are stored in float32 (docs/algorithms.md §7), so the update evaluates log p at exactly the
 x_{t+1} the rollout drew; a trajectory costs about 2·T + 1 latents per sample (``latents``,
 ``next_latents``, ``final_latents``).
 """

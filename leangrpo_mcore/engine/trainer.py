@@ -1,6 +1,6 @@
 """The training loop: build from the config, resume, run ``train.max_steps`` steps, log, checkpoint, summarise.
 
-Robustness rules (issue 5):
+Robustness rules:
 
 - bad input found while building (config values, paths, layouts, checkpoints) is a one-line
   :class:`~leangrpo_mcore.errors.UserError` on every rank;

@@ -83,7 +83,7 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dic
     working = act.working_bytes(arch, work.tokens, batch=batch, dtype_bytes=prec.compute_bytes)
     recompute = act.block_saved_bytes(arch, work.tokens, batch=batch, dtype_bytes=dtype) if ac else 0
     text_width = next(lin.in_features for lin in arch.root if lin.stream == "text")
-    # A trajectory keeps fp32 latents for every step (ALGORITHMS.md §7) and the prompt's text embeddings.
+    # A trajectory keeps fp32 latents for every step (docs/algorithms.md §7) and the prompt's text embeddings.
     trajectory = 4 * (work.num_steps + 1) * arch.latent_elements(work.tokens) * cfg
     trajectory += work.tokens["text"] * text_width * prec.compute_bytes
     return {

@@ -1,6 +1,6 @@
 """Which (prompt, generation) samples each data-parallel rank makes, and who shares a prompt group.
 
-Layouts (LeanGRPO §4.1, issue 4):
+Layouts (LeanGRPO §4.1, docs/algorithms.md §6):
 
 - ``shared``, M ≥ R: every rank holds every prompt; rank r makes generations m = q·R + r (q < Q = M/R).
   The M rewards of a prompt are all-gathered over the whole data-parallel group.

@@ -77,7 +77,7 @@ class Plan:
 
 
 def candidate_dict(est: Estimate) -> dict[str, Any]:
-    """One candidate as JSON: the keys issue 6 asks for plus checkpointing, shape and notes."""
+    """One candidate as JSON: the documented JSON keys plus checkpointing, shape and notes."""
     shape = est.shape
     return {
         "schedule": est.schedule, "tp": est.layout.tp, "dp_shard": est.layout.dp_shard,

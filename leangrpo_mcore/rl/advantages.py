@@ -1,4 +1,4 @@
-"""Group-relative advantage estimators (ALGORITHMS.md §4, issue 2 §4).
+"""Group-relative advantage estimators (docs/algorithms.md §4).
 
 A new estimator is one decorated function::
 
@@ -9,7 +9,7 @@ A new estimator is one decorated function::
 ``compute_advantages`` validates the inputs, runs the estimator in float64, clamps to
 ``±adv_clip_max`` and returns float32. Group-normalised estimators may also register their
 affine form ``A_i = alpha_i * r_i + gamma_i`` (``register_advantage(name, affine=fn)``), which the
-recompute-free schedules use to correct provisional gradients (ALGORITHMS.md §6).
+recompute-free schedules use to correct provisional gradients (docs/algorithms.md §6).
 """
 
 from typing import Callable, Dict, List, Optional, Tuple

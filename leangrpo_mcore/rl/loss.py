@@ -1,4 +1,4 @@
-"""GRPO policy losses and the KL penalty on SDE means (ALGORITHMS.md §4, issue 2 §4).
+"""GRPO policy losses and the KL penalty on SDE means (docs/algorithms.md §4).
 
 Every function returns per-sample values (B,) in float32; the caller chooses the reduction (the
 baselines take the batch mean). A new policy loss is one decorated function::
@@ -87,7 +87,7 @@ def grpo_step_loss(
     ρ = exp(log p − log p_old) with ε = ``clip_range``. Matches FlowGRPO's ``unclipped_loss`` /
     ``clipped_loss`` / ``torch.maximum`` and DanceGRPO's identical form, before their batch mean.
     ``old_log_prob`` and ``advantages`` are constants (detached); all math is float32. At ρ = 1 the
-    gradient is −A·∇log p (ALGORITHMS.md §6), which the recompute-free schedules rely on.
+    gradient is −A·∇log p (docs/algorithms.md §6), which the recompute-free schedules rely on.
     """
     if not 0.0 < clip_range < 1.0:
         raise ValueError(f"clip_range must be in (0, 1), got {clip_range}")
@@ -136,7 +136,7 @@ def kl_loss(
     """KL penalty (B,) float32 between the policy's and the reference's SDE transition means.
 
     Both transitions are Gaussians with the same std, so per element KL = (μ − μ_ref)² / (2 s²);
-    the result is the mean over all non-batch dims (the log-prob convention of ALGORITHMS.md §2).
+    the result is the mean over all non-batch dims (the log-prob convention of docs/algorithms.md §2).
 
     - ``form="flow_grpo"``: s = ``std_t``, the SDE's std *without* the sqrt(−dt) factor, exactly as
       FlowGRPO's SD3/FLUX training code (``(μ − μ_ref)².mean(dims) / (2 std_dev_t²)``); since the

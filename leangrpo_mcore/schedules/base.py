@@ -1,7 +1,7 @@
 """The update-schedule strategy interface, its registry, and the loss every schedule shares.
 
 A schedule turns rollouts + advantages into gradients. The engine drives it through hooks, per prompt
-group held by this rank (ALGORITHMS.md §5–6)::
+group held by this rank (docs/algorithms.md §5–6)::
 
     begin_update(weight)                      # weight = 1 / (samples × selected steps of the update)
     for each group, for each micro-batch:
@@ -72,7 +72,7 @@ def build_schedule(name: str, context: "ScheduleContext", **options) -> "Schedul
 
 @dataclass(frozen=True)
 class Objective:
-    """The GRPO objective of an update (ALGORITHMS.md §4)."""
+    """The GRPO objective of an update (docs/algorithms.md §4)."""
 
     clip_range: float = 1e-4
     """ε of the clipped ratio."""

@@ -1,4 +1,4 @@
-"""Native: the baselines' update (ALGORITHMS.md §5).
+"""Native: the baselines' update (docs/algorithms.md §5).
 
 The rollout runs without gradients and stores every transition. When a group's advantages are known,
 each selected step of each micro-batch is *recomputed*: the policy runs again, with gradients, on the

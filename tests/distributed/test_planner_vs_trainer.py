@@ -1,4 +1,4 @@
-"""The planner's predicted peak memory against the peak the training step measures (issue 6).
+"""The planner's predicted peak memory against the peak the training step measures.
 
 Each case runs two real steps of the step engine (the trainer's own components, built from a tiny config) with
 its MemoryMeter on, and compares the second step's measured peak with ``predict_memory`` for the same config.

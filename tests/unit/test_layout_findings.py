@@ -1,4 +1,4 @@
-"""The planner reproduces the paper's qualitative findings (ALGORITHMS.md §6) from its reported setups."""
+"""The planner reproduces the paper's qualitative findings (docs/algorithms.md §6) from its reported setups."""
 
 import pytest
 

@@ -184,7 +184,7 @@ def bitwise(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 
 
 def check_parity(native: Outcome, retain: Outcome, reweight: Outcome) -> None:
-    """The done-when assertions of issue 4 for one configuration."""
+    """The schedule-equivalence assertions for one configuration."""
     assert np.array_equal(native.rewards, retain.rewards) and np.array_equal(native.rewards, reweight.rewards)
     assert np.array_equal(native.trajectory, retain.trajectory)
     assert np.array_equal(native.trajectory, reweight.trajectory)

@@ -1,4 +1,4 @@
-"""SDE steps against closed forms written here in numpy float64 (ALGORITHMS.md §2)."""
+"""SDE steps against closed forms written here in numpy float64 (docs/algorithms.md §2)."""
 
 import math
 
