@@ -38,6 +38,9 @@ class ModelFamily:
     """Pure mapping of FULL tensors: diffusers state dict -> our parameter names."""
     mcore_to_diffusers: Callable[[dict, Any], dict]
     """Inverse mapping of :attr:`diffusers_to_mcore`."""
+    diffusers_plan: Callable[[Any], dict]
+    """``plan(config) -> {our name: Assembly}``: how each parameter is made of diffusers' tensors
+    (:mod:`leangrpo_mcore.models.common.assembly`); both mappings above derive from it."""
     presets: dict[str, dict]
     """Named diffusers-style configs (e.g. "flux-dev", "wan2.1-1.3b", tiny test sizes)."""
     lora_targets: tuple[str, ...] = ()

@@ -94,4 +94,4 @@ def test_truncated_tensor_set_is_rejected(tmp_path, capsys):
     save_file(tensors, str(weights))
     code, err = _run(capsys, "diffusers-to-mcore", "--model", "flux", "--src", str(tmp_path / "flux"),
                      "--dst", str(tmp_path / "out"))
-    _assert_one_line_error(code, err, "1 missing")
+    _assert_one_line_error(code, err, "missing keys ['proj_out.bias']")

@@ -1,7 +1,7 @@
 """FLUX.1 (FluxTransformer2DModel) policy family."""
 
 from leangrpo_mcore.models.flux.config import PRESETS, FluxConfig
-from leangrpo_mcore.models.flux.convert import diffusers_to_mcore, mcore_to_diffusers
+from leangrpo_mcore.models.flux.convert import diffusers_plan, diffusers_to_mcore, mcore_to_diffusers
 from leangrpo_mcore.models.flux.model import FluxTransformer
 from leangrpo_mcore.models.registry import ModelFamily
 
@@ -19,6 +19,7 @@ FAMILY = ModelFamily(
     diffusers_class_name="FluxTransformer2DModel",
     diffusers_to_mcore=diffusers_to_mcore,
     mcore_to_diffusers=mcore_to_diffusers,
+    diffusers_plan=diffusers_plan,
     presets=PRESETS,
     lora_targets=LORA_TARGETS,
 )

@@ -1,8 +1,9 @@
-"""diffusers FluxTransformer2DModel <-> our FLUX parameters (pure mappings on FULL tensors).
+"""diffusers FluxTransformer2DModel <-> our FLUX parameters, described once as an assembly plan.
 
 Our parameter names are diffusers' names (the single-block ``proj_out`` keeps its full column order;
-its TP split is a property of the parameter, see ``layers.FluxSingleBlock``), so both directions are
-the identity on names and tensors after a strict check of names and shapes against the config.
+its TP split is a property of the parameter, see ``layers.FluxSingleBlock``), so every parameter is one stored
+tensor as it is (:func:`~leangrpo_mcore.models.common.assembly.identity`); both directions derive from the plan
+after a strict check of names and shapes against the config.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import dataclasses
 
 import torch
 
+from leangrpo_mcore.models.common.assembly import Assembly, assemble, disassemble, identity
 from leangrpo_mcore.models.common.tp import full_shape
 from leangrpo_mcore.models.flux.config import FluxConfig
 
@@ -25,24 +27,16 @@ def expected_shapes(config: FluxConfig) -> dict[str, torch.Size]:
     return {name: full_shape(param) for name, param in model.named_parameters()}
 
 
-def _checked(state_dict: dict, config: FluxConfig, what: str) -> dict:
-    expected = expected_shapes(config)
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"not a FLUX {what} state dict for this config: {len(missing)} missing (e.g. {missing[:2]}), "
-                         f"{len(unexpected)} unexpected (e.g. {unexpected[:2]})")
-    for name, shape in expected.items():
-        if tuple(state_dict[name].shape) != tuple(shape):
-            raise ValueError(f"{name}: shape {tuple(state_dict[name].shape)} != expected {tuple(shape)}")
-    return {name: state_dict[name] for name in sorted(expected)}
+def diffusers_plan(config: FluxConfig) -> dict[str, Assembly]:
+    """How each of our parameters is made of diffusers' tensors (here: each is the same-named tensor)."""
+    return {name: identity(name, tuple(shape)) for name, shape in expected_shapes(config).items()}
 
 
 def diffusers_to_mcore(state_dict: dict, config: FluxConfig) -> dict:
     """Our state dict (same tensor objects) from a diffusers FluxTransformer2DModel state dict."""
-    return _checked(state_dict, config, "diffusers")
+    return assemble(state_dict, diffusers_plan(config), "FLUX diffusers")
 
 
 def mcore_to_diffusers(state_dict: dict, config: FluxConfig) -> dict:
     """A diffusers FluxTransformer2DModel state dict (same tensor objects) from ours (no LoRA keys)."""
-    return _checked(state_dict, config, "policy")
+    return disassemble(state_dict, diffusers_plan(config), "FLUX policy")

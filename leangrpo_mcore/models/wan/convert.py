@@ -1,9 +1,10 @@
-"""Pure state-dict mappings between diffusers' ``WanTransformer3DModel`` and :class:`WanModel`.
+"""diffusers' ``WanTransformer3DModel`` <-> :class:`WanModel`, described once as an assembly plan.
 
-Both directions work on FULL (unsharded) tensors and never change a value: names are renamed and the 3-D patch
-embedding's convolution kernel (D, C, pt, ph, pw) is viewed as the equivalent linear weight (D, C*pt*ph*pw)
-(a stride-equals-kernel convolution is a linear map on flattened patches), so a round trip is bit-exact.
-Inputs are checked against the shapes the config implies; a wrong model or a corrupt file gives one line.
+Nothing changes a value: names are renamed and the 3-D patch embedding's convolution kernel (D, C, pt, ph, pw)
+is viewed as the equivalent linear weight (D, C*pt*ph*pw) (a stride-equals-kernel convolution is a linear map on
+flattened patches), so a round trip is bit-exact. Both directions on FULL tensors and the sharded checkpoint
+readers derive from :func:`diffusers_plan`; inputs are checked against the shapes the config implies, so a wrong
+model or a corrupt file gives one line.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 
 import torch
 
-from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.models.common.assembly import Assembly, Piece, assemble, disassemble
 from leangrpo_mcore.models.wan.config import WanConfig
 
 # (diffusers pattern, our pattern) and the inverse: blocks live in ``layers`` (so that ``WanModel.blocks()`` can
@@ -89,36 +90,23 @@ def mcore_name_to_diffusers(name: str) -> str:
 
 def mcore_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
     """Name -> FULL (TP-gathered) shape of every parameter of :class:`WanModel` for ``config``."""
-    out = {diffusers_name_to_mcore(k): v for k, v in diffusers_shapes(config).items()}
-    out[_PATCH_WEIGHT] = (config.hidden_size, config.in_channels * math.prod(config.patch_size))
-    return out
+    return {name: assembly.full_shape for name, assembly in diffusers_plan(config).items()}
 
 
-def _check(state_dict: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], what: str) -> None:
-    unexpected = sorted(set(state_dict) - set(expected))
-    if unexpected:
-        raise UserError(f"not a Wan T2V {what} state dict for this config: unexpected keys {unexpected[:4]}")
-    missing = sorted(set(expected) - set(state_dict))
-    if missing:
-        raise UserError(f"incomplete Wan {what} state dict: missing keys {missing[:4]} ({len(missing)} in all)")
-    for name, shape in expected.items():
-        got = tuple(state_dict[name].shape)
-        if got != shape:
-            raise UserError(f"Wan {what} tensor {name} has shape {got}, the config implies {shape}")
+def diffusers_plan(config: WanConfig) -> dict[str, Assembly]:
+    """How each of our parameters is made of diffusers' tensors (renames, the patch kernel viewed as a linear)."""
+    plan = {}
+    for key, stored in diffusers_shapes(config).items():
+        shape = (stored[0], math.prod(stored[1:])) if key == _PATCH_WEIGHT else stored
+        plan[diffusers_name_to_mcore(key)] = Assembly((Piece(key, stored, shape),))
+    return plan
 
 
 def diffusers_to_mcore(state_dict: dict[str, torch.Tensor], config: WanConfig) -> dict[str, torch.Tensor]:
     """Map a FULL diffusers ``WanTransformer3DModel`` state dict to our parameter names and layouts."""
-    _check(state_dict, diffusers_shapes(config), "diffusers")
-    out = {diffusers_name_to_mcore(k): v for k, v in state_dict.items()}
-    w = out[_PATCH_WEIGHT]
-    out[_PATCH_WEIGHT] = w.reshape(w.shape[0], -1)
-    return out
+    return assemble(state_dict, diffusers_plan(config), "Wan T2V diffusers")
 
 
 def mcore_to_diffusers(state_dict: dict[str, torch.Tensor], config: WanConfig) -> dict[str, torch.Tensor]:
     """Map a FULL state dict of :class:`WanModel` to diffusers ``WanTransformer3DModel`` names and layouts."""
-    _check(state_dict, mcore_shapes(config), "leangrpo_mcore")
-    out = {mcore_name_to_diffusers(k): v for k, v in state_dict.items()}
-    out[_PATCH_WEIGHT] = state_dict[_PATCH_WEIGHT].reshape(config.hidden_size, config.in_channels, *config.patch_size)
-    return out
+    return disassemble(state_dict, diffusers_plan(config), "Wan leangrpo_mcore")
