@@ -33,10 +33,10 @@ def diffusers_plan(config: FluxConfig) -> dict[str, Assembly]:
 
 
 def diffusers_to_mcore(state_dict: dict, config: FluxConfig) -> dict:
-    """Our state dict (same tensor objects) from a diffusers FluxTransformer2DModel state dict."""
+    """Our state dict (views, no copies) from a diffusers FluxTransformer2DModel state dict."""
     return assemble(state_dict, diffusers_plan(config), "FLUX diffusers")
 
 
 def mcore_to_diffusers(state_dict: dict, config: FluxConfig) -> dict:
-    """A diffusers FluxTransformer2DModel state dict (same tensor objects) from ours (no LoRA keys)."""
+    """A diffusers FluxTransformer2DModel state dict (views, no copies) from ours (no LoRA keys)."""
     return disassemble(state_dict, diffusers_plan(config), "FLUX policy")
