@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from leangrpo_mcore.errors import UserError
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 _LORA_MARKERS = (".lora_A.", ".lora_B.")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_diffusers.add_argument("--keep-lora", action="store_true",
                               help=f"keep adapters unmerged, written to {LORA_FILE}")
     to_diffusers.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")
+    to_diffusers.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                              help="dtype of the exported weights (default: as stored, e.g. the fp32 master "
+                                   "weights of a training checkpoint)")
     return parser
 
 
@@ -106,8 +110,11 @@ def merge_adapters(base: dict[str, torch.Tensor], adapters: dict, scaling: float
     return merged
 
 
-def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite: bool = False) -> Path:
-    """Export our checkpoint at ``src`` as a diffusers transformer directory at ``dst``."""
+def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite: bool = False,
+                       dtype: Optional[str] = None) -> Path:
+    """Export our checkpoint at ``src`` (a policy directory or a training checkpoint ``step_<N>``) as a diffusers
+    transformer directory at ``dst``, in ``dtype`` (default: the stored dtype). A training checkpoint is read one
+    tensor at a time from its sharded files, without its optimizer state and without a launch."""
     from leangrpo_mcore.models.common import checkpoint as ckpt
     from leangrpo_mcore.models.registry import get_family
 
@@ -123,6 +130,8 @@ def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite
     if adapters and not keep_lora:
         base = merge_adapters(base, adapters, scaling)
     converted = family.mcore_to_diffusers(base, config)
+    if dtype is not None:
+        converted = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in converted.items()}
     folder = ckpt.write_diffusers_dir(dst, class_name=family.diffusers_class_name,
                                       config=config.to_diffusers_config(), tensors=converted)
     if adapters and keep_lora:
@@ -145,7 +154,8 @@ def _main(argv: Sequence[str] | None) -> int:
         if args.command == "diffusers-to-mcore":
             out = diffusers_to_mcore(args.model, args.src, args.dst, overwrite=args.overwrite)
         else:
-            out = mcore_to_diffusers(args.src, args.dst, keep_lora=args.keep_lora, overwrite=args.overwrite)
+            out = mcore_to_diffusers(args.src, args.dst, keep_lora=args.keep_lora, overwrite=args.overwrite,
+                                     dtype=args.dtype)
     except UserError:
         raise
     except ValueError as err:  # a config or state dict of the wrong kind, reported by the family code

@@ -220,6 +220,9 @@ class TrainConfig:
     """EMA of the trainable parameters (0 disables it)."""
     max_nonfinite_skips: int = option(3, ge=0)
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
+    overwrite: bool = False
+    """A fresh run into an output_dir that holds an earlier run's checkpoints or metrics deletes them first
+    (otherwise such a directory is refused)."""
 
 
 @dataclass
@@ -231,7 +234,10 @@ class CheckpointConfig:
     resume: Optional[str] = None
     """null (fresh run), auto (newest complete checkpoint in output_dir), or a checkpoint path."""
     keep_last: int = option(0, ge=0)
-    """Keep only the newest N checkpoints (0 keeps all)."""
+    """Keep only the newest N checkpoints (0 keeps all); the one just written is always kept."""
+    async_save: bool = False
+    """Write checkpoints in a background thread from a host copy of this rank's shards, overlapping the write
+    with the next steps (costs one host copy of the rank's shards until the write ends)."""
 
 
 @dataclass

@@ -1,21 +1,24 @@
-"""Training checkpoints: atomic, complete-or-absent, reshardable across world size and TP degree.
+"""Training checkpoints: sharded (each rank writes its own shards), verified, reshardable on load.
 
 A checkpoint ``OUTPUT_DIR/checkpoints/step_<N>/`` holds::
 
-    leangrpo_model.json, model.safetensors   the policy in the models package's format (FULL tensors:
-                                             TP-gathered, FSDP-unsharded), so leangrpo-convert reads it
-    optimizer.pt                             optimizer state per parameter NAME (full tensors) + LR scheduler
-    ema.safetensors                          EMA of the trainable parameters (full tensors), when enabled
-    rng/rank_<r>.pt                          python, numpy, torch CPU and CUDA generator states of rank r
-    trainer_state.json                       step, data sampler position, world/TP layout, counters
-    config.yaml                              the resolved config of the run that wrote it
-    COMPLETE                                 written last
+    dcp/                  torch.distributed.checkpoint files: every rank's shards of the model
+                          (``model/<name>``), optimizer state (``optim/<name>/<key>``) and EMA (``ema/<name>``),
+                          each stored as boxes of the FULL tensor
+    leangrpo_model.json   the policy's family, hyper-parameters and LoRA record (``leangrpo-convert`` and
+                          ``model.path`` read the weights from ``dcp/``)
+    optimizer.json        parameter groups, non-tensor optimizer state, LR-schedule position
+    rng/rank_<r>.pt       python, numpy, torch CPU and CUDA generator states of rank r
+    trainer_state.json    step, data sampler position, world/TP layout, counters
+    config.yaml           the resolved config of the run that wrote it
+    COMPLETE              written last: every file above with its size and CRC-32
 
-It is written into ``step_<N>.tmp-<id>``, every file fsynced, the marker written, then the directory renamed, so a
-crash mid-save leaves only a ``.tmp-`` directory that resume never picks. Full tensors make resharding trivial:
-on load each rank takes its TP slice (:func:`~leangrpo_mcore.models.common.tp.shard_tensor`) and then its FSDP2
-shard (sliced on the host, no communication). Storing full tensors costs one gather per save; tensors are
-gathered one at a time so no rank holds more than one full parameter besides rank 0's output.
+Nothing is gathered: a rank's shards go to disk as they are (see
+:mod:`~leangrpo_mcore.models.common.dcp_blocks` for how a TP slice's FSDP2 shard becomes boxes of the FULL
+tensor), so the host memory of a save is at most one rank's shards. On load each rank reads the boxes it
+needs at its own layout, which is what makes a checkpoint load at any world size, FSDP2/HSDP degree and TP
+degree. The whole write goes into ``step_<N>.tmp-<id>`` and is renamed into place after the marker, so a
+crash mid-save leaves only a ``.tmp-`` directory that resume never picks and the next launch removes.
 
 FSDP2 drops the megatron TP attributes of parameters when it wraps them, so the trainer records them first with
 :func:`capture_tp_layout` and passes that map to save and load.
@@ -27,38 +30,36 @@ import json
 import os
 import random
 import shutil
+import threading
 import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from leangrpo_mcore.engine import ckpt_manifest as manifest
 from leangrpo_mcore.engine.launch import broadcast_object
 from leangrpo_mcore.engine.run_dir import STEP_DIR, RunDir
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.models.common.checkpoint import CheckpointError, TensorSource, write_policy_checkpoint
-from leangrpo_mcore.models.common.tp import gather_tensor, shard_tensor, tp_world_size
+from leangrpo_mcore.models.common.checkpoint import DCP_DIR, CheckpointError, write_policy_checkpoint
+from leangrpo_mcore.models.common.dcp_blocks import (Block, BlockLoadPlanner, BlockSavePlanner, BlockTensor,
+                                                     block_tensor, quiet_dcp)
+from leangrpo_mcore.models.common.dcp_source import read_dcp_metadata
+from leangrpo_mcore.models.common.tp import tp_rank, tp_world_size
 from leangrpo_mcore.models.registry import family_for_config
 
-MARKER = "COMPLETE"
+MARKER = manifest.MARKER
 STATE_FILE = "trainer_state.json"
-OPTIM_FILE = "optimizer.pt"
-EMA_FILE = "ema.safetensors"
-MODEL_FILE = "model.safetensors"
+OPTIM_FILE = "optimizer.json"
 FORMAT = "leangrpo_mcore.train_checkpoint"
-VERSION = 1
+VERSION = 2
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_segments")
 
 TPLayout = dict[str, torch.Tensor]
-_UNSHARDED = torch.empty(0, device="meta")
-"""Layout stub of a tensor that is already this rank's TP slice."""
-WriteModel = Callable[[str, torch.nn.Module, dict[str, torch.Tensor]], None]
 
 
 def capture_tp_layout(model: torch.nn.Module) -> TPLayout:
@@ -77,42 +78,13 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _world() > 1:
         dist.barrier()
-
-
-def gather_full(tensor: torch.Tensor, stub: torch.Tensor) -> torch.Tensor:
-    """Collective: the full CPU tensor of a parameter-shaped ``tensor`` (FSDP2-unsharded, then TP-gathered)."""
-    local = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return gather_tensor(local.detach(), stub).cpu()
-
-
-def shard_like(full: torch.Tensor, target: torch.Tensor, stub: torch.Tensor,
-               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """This rank's piece of ``full`` laid out like ``target`` (a plain tensor or an FSDP2 DTensor), in ``dtype``
-    (default: the target's), as a fresh copy on the target's device, without communication."""
-    local = shard_tensor(full, stub)
-    dtype = dtype or target.dtype
-    if not isinstance(target, DTensor):
-        return local.to(device=target.device, dtype=dtype, copy=True)
-    # Slice this rank's block on the host first: only the shard (never the full tensor) reaches the device.
-    shape, offset = compute_local_shape_and_global_offset(local.shape, target.device_mesh, target.placements)
-    block = local
-    for dim, (start, size) in enumerate(zip(offset, shape)):
-        block = block.narrow(dim, start, size)
-    block = block.to(device=target.device, dtype=dtype, copy=True)
-    return DTensor.from_local(block, target.device_mesh, target.placements, run_check=False, shape=local.shape,
-                              stride=torch.empty(local.shape, device="meta").stride())
-
-
-def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    dst = target.to_local() if isinstance(target, DTensor) else target
-    src = value.to_local() if isinstance(value, DTensor) else value
-    if dst.shape != src.shape:
-        raise UserError(f"checkpoint tensor has local shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(src)
 
 
 def _fsync_file(path: str) -> None:
@@ -130,65 +102,346 @@ def _write_json(path: str, data: Any) -> None:
         os.fsync(fh.fileno())
 
 
-def _full_state(named: Iterator[tuple[str, torch.Tensor]], layout: TPLayout) -> dict[str, torch.Tensor]:
-    """Collective over every rank: the full tensors of ``named`` on rank 0 (empty elsewhere)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in named:
-        full = gather_full(tensor, layout[name])
-        if _rank() == 0:
-            out[name] = full.contiguous()
-    return out
-
-
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
-def optimizer_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: TPLayout) -> dict:
-    """Collective: the optimizer state keyed by parameter name, parameter-shaped tensors gathered (rank 0)."""
+def _blocks(tensor: torch.Tensor, stub: torch.Tensor) -> BlockTensor:
+    return block_tensor(tensor, stub, tp_rank(), tp_world_size())
+
+
+def _is_param_shaped(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim > 0 and tuple(value.shape) == tuple(param.shape)
+
+
+# ---------------------------------------------------------------------------------------------- state dicts
+
+
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   ema: Optional[dict[str, torch.Tensor]], layout: TPLayout) -> tuple[dict, dict]:
+    """(the flat DCP state dict of this rank's shards, the JSON-able non-tensor optimizer state)."""
+    state: dict[str, Any] = {f"model/{name}": _blocks(p, layout[name]) for name, p in model.named_parameters()}
+    names, scalars = _param_names(model), {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            for key, value in optimizer.state.get(p, {}).items():
+                if _is_param_shaped(value, p):
+                    state[f"optim/{name}/{key}"] = _blocks(value, layout[name])
+                elif isinstance(value, torch.Tensor) and value.ndim == 0:
+                    state[f"optim/{name}/{key}"] = value.detach()
+                else:
+                    scalars.setdefault(name, {})[key] = value
+    for name, shadow in sorted((ema or {}).items()):
+        state[f"ema/{name}"] = _blocks(shadow, layout[name])
+    return state, scalars
+
+
+def _optimizer_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                      scalars: dict) -> dict:
     names = _param_names(model)
-    groups, state = [], {}
+    groups = []
     for group in optimizer.param_groups:
         hyper = {k: v for k, v in group.items() if k != "params"}
         hyper["param_names"] = [names[id(p)] for p in group["params"]]
         groups.append(hyper)
-        for p in group["params"]:
-            name = names[id(p)]
-            entry = {}
-            for key, value in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    entry[key] = gather_full(value, layout[name])
-                elif isinstance(value, torch.Tensor):
-                    entry[key] = value.detach().cpu().clone()
-                else:
-                    entry[key] = value
-            state[name] = entry
-    return {"param_groups": groups, "state": state} if _rank() == 0 else {}
+    sched = None
+    if lr_scheduler is not None:
+        sched = {"last_epoch": int(lr_scheduler.last_epoch), "step_count": int(lr_scheduler._step_count)}
+    return {"param_groups": groups, "scalars": scalars, "lr_scheduler": sched}
 
 
-def load_optimizer_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict,
-                              layout: TPLayout) -> None:
-    """Restore :func:`optimizer_full_state` output into ``optimizer`` on this rank's shards."""
-    names = _param_names(model)
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise UserError(f"checkpoint optimizer has {len(saved['param_groups'])} parameter groups, "
-                        f"this run has {len(optimizer.param_groups)}")
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-        mine = [names[id(p)] for p in group["params"]]
-        if mine != saved_group["param_names"]:
-            missing = sorted(set(mine) ^ set(saved_group["param_names"]))[:1] or mine[:1]
-            raise UserError(f"checkpoint optimizer trains different parameters than this run (e.g. '{missing[0]}')")
-        group.update({k: v for k, v in saved_group.items() if k != "param_names"})
-        for p in group["params"]:
-            name = names[id(p)]
-            restored = {}
-            for key, value in saved["state"].get(name, {}).items():
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    restored[key] = shard_like(value, p, layout[name], value.dtype)
-                else:
-                    restored[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            if restored:
-                optimizer.state[p] = restored
+def _staged(state: dict) -> dict:
+    """A host copy of ``state`` that later training steps cannot change (for a background write)."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, BlockTensor):
+            out[key] = BlockTensor(value.shape, [Block(b.offsets, b.data.to("cpu", copy=True))
+                                                 for b in value.blocks], value.dtype)
+        else:
+            out[key] = value.to("cpu", copy=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- saving
+
+
+def _write_error(tmp: str, err: BaseException) -> UserError:
+    """The one-line error of a failed write, naming the file where the OS said which."""
+    seen, found = [err], None
+    while seen:
+        exc = seen.pop()
+        if isinstance(exc, OSError):
+            found = exc
+            break
+        failures = getattr(exc, "failures", None)
+        if isinstance(failures, dict):  # DCP: {rank: (exception, traceback summary)}
+            for value in failures.values():
+                value = value[0] if isinstance(value, tuple) and value else value
+                if isinstance(value, BaseException):
+                    seen.append(value)
+        for nxt in (exc.__cause__, exc.__context__):
+            if nxt is not None:
+                seen.append(nxt)
+    if found is not None:
+        where = found.filename or tmp
+        return UserError(f"cannot write checkpoint: {where}: {found.strerror or found}")
+    lines = str(err).strip().splitlines()
+    return UserError(f"cannot write checkpoint {tmp}: {type(err).__name__}: {lines[-1] if lines else ''}")
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose files are being written; :meth:`finish` (collective) verifies and publishes it."""
+
+    run_dir: RunDir
+    tmp: str
+    final: str
+    step: int
+    future: Optional[Future]
+    error: Optional[UserError] = None
+
+    def finish(self) -> str:
+        """Collective: wait for the writes, checksum them, write the marker and rename into place."""
+        error = self.error
+        if error is None and self.future is not None:
+            try:
+                self.future.result()
+            except UserError as err:
+                error = err
+            except BaseException as err:  # noqa: BLE001 -- any storage failure becomes one line
+                error = _write_error(self.tmp, err)
+        files: dict[str, dict] = {}
+        if error is None:
+            try:
+                files = manifest.describe(self.tmp, _own_files(self.tmp, _rank()))
+            except OSError as err:
+                error = _write_error(self.tmp, err)
+        gathered = [(None if error is None else str(error), files)]
+        if _world() > 1:
+            gathered = [None] * _world()
+            dist.all_gather_object(gathered, (None if error is None else str(error), files))
+        problems = [e for e, _ in gathered if e]
+        if problems:
+            if _rank() == 0:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            raise UserError(problems[0])
+        outcome: Optional[str] = None
+        if _rank() == 0:
+            try:
+                merged = {rel: entry for _, part in gathered for rel, entry in part.items()}
+                missing = sorted(set(manifest.files_under(self.tmp)) - set(merged))
+                merged.update(manifest.describe(self.tmp, missing))
+                manifest.write_marker(self.tmp, self.step, merged)
+                _publish(self.tmp, self.final)
+            except OSError as err:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                outcome = str(_write_error(self.tmp, err))
+        outcome = broadcast_object(outcome)
+        if outcome:
+            raise UserError(outcome)
+        return self.final
+
+
+def _own_files(tmp: str, rank: int) -> list[str]:
+    """The files rank ``rank`` wrote into ``tmp`` (DCP names its data files ``__<rank>_<n>.distcp``)."""
+    mine = [f"rng/rank_{rank}.pt"]
+    folder = os.path.join(tmp, DCP_DIR)
+    if os.path.isdir(folder):
+        mine += [f"{DCP_DIR}/{name}" for name in sorted(os.listdir(folder)) if name.startswith(f"__{rank}_")]
+    return mine
+
+
+def _publish(tmp: str, final: str) -> None:
+    _fsync_file(tmp)
+    if os.path.exists(final):
+        # Re-saving a step (a run resumed from an older checkpoint): move the old one aside, then drop it.
+        trash = f"{final}.tmp-replaced-{uuid.uuid4().hex[:8]}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_file(os.path.dirname(final))
+
+
+_WRITER_GROUP: Optional[dist.ProcessGroup] = None
+
+
+def _writer_group() -> Optional[dist.ProcessGroup]:
+    """A gloo group of its own for background writes, so that their collectives never interleave with the
+    training collectives of the main thread (created once, collectively)."""
+    global _WRITER_GROUP
+    if _world() > 1 and _WRITER_GROUP is None:
+        _WRITER_GROUP = dist.new_group(backend="gloo")
+    return _WRITER_GROUP
+
+
+def _dcp_save(state: dict, folder: str, group: Optional[dist.ProcessGroup]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(folder, sync_files=True, single_file_per_rank=True)
+    with quiet_dcp():
+        dcp.save(state, storage_writer=writer, planner=BlockSavePlanner(), process_group=group,
+                 no_dist=_world() == 1)
+
+
+def save_checkpoint(run_dir: RunDir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    lr_scheduler: Any, ema: Optional[dict[str, torch.Tensor]], layout: TPLayout,
+                    state: dict, config_yaml: str, async_save: bool = False) -> PendingSave:
+    """Collective: start writing the checkpoint of ``step``; :meth:`PendingSave.finish` completes it.
+
+    ``state`` is the JSON-able trainer state (step counter, sampler position, layout, counters). With
+    ``async_save`` the shards are copied to the host and written by a background thread; otherwise the write
+    is done when this returns.
+    """
+    final = run_dir.checkpoint_path(step)
+    tmp = broadcast_object(f"{final}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None)
+    pending = PendingSave(run_dir, tmp, final, step, None)
+    error: Optional[str] = None
+    try:
+        if _rank() == 0:
+            os.makedirs(os.path.join(tmp, "rng"))
+            _write_small_files(tmp, step, model, state, config_yaml)
+    except OSError as err:
+        error = str(_write_error(tmp, err))
+    error = broadcast_object(error)
+    if error:
+        pending.error = UserError(error)
+        return pending
+    shards, scalars = training_state(model, optimizer, ema, layout)
+    try:
+        if _rank() == 0:
+            _write_json(os.path.join(tmp, OPTIM_FILE), _optimizer_record(model, optimizer, lr_scheduler, scalars))
+        rng_path = os.path.join(tmp, "rng", f"rank_{_rank()}.pt")
+        torch.save(rng_state(), rng_path)
+        _fsync_file(rng_path)
+    except OSError as err:
+        pending.error = _write_error(tmp, err)
+    folder = os.path.join(tmp, DCP_DIR)
+    if async_save:
+        group = _writer_group()
+        staged = _staged(shards)
+        pending.future = Future()
+
+        def write() -> None:
+            try:
+                _dcp_save(staged, folder, group)
+                pending.future.set_result(None)
+            except BaseException as err:  # noqa: BLE001 -- reported by finish()
+                pending.future.set_exception(err)
+
+        threading.Thread(target=write, name=f"checkpoint-step-{step}", daemon=True).start()
+    else:
+        try:
+            _dcp_save(shards, folder, None)
+        except BaseException as err:  # noqa: BLE001 -- DCP wraps every rank's storage error
+            pending.error = pending.error or _write_error(tmp, err)
+    return pending
+
+
+def _write_small_files(tmp: str, step: int, model: torch.nn.Module, state: dict, config_yaml: str) -> None:
+    family = family_for_config(model.config)
+    lora = getattr(model, "lora_config", None)
+    write_policy_checkpoint(tmp, family=family.name, config=model.config.to_diffusers_config(),
+                            lora=None if lora is None else lora.to_dict(), tensors=None)
+    with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as fh:
+        fh.write(config_yaml)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _write_json(os.path.join(tmp, STATE_FILE), {"format": FORMAT, "version": VERSION, "step": step, **state})
+
+
+# --------------------------------------------------------------------------------------- finding, pruning
+
+
+def list_complete(run_dir: RunDir) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint with a marker, oldest first (not yet verified)."""
+    found = []
+    for name in run_dir.existing_checkpoints():
+        match = STEP_DIR.match(name)
+        path = os.path.join(run_dir.checkpoints_dir, name)
+        if match and os.path.isfile(os.path.join(path, MARKER)):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def set_aside(path: str) -> str:
+    """Rename a damaged checkpoint to ``<path>.damaged-<id>`` (kept for inspection, never resumed or pruned)."""
+    target = f"{path}.damaged-{uuid.uuid4().hex[:6]}"
+    os.rename(path, target)
+    return target
+
+
+def resolve_resume(spec: Optional[str], run_dir: RunDir, warn: Any = None) -> Optional[str]:
+    """The checkpoint to resume from: None (fresh), ``auto`` (the newest one that verifies, or None), or a path.
+
+    Under ``auto`` a newest checkpoint that fails verification is set aside with a one-line ``warn`` and the
+    previous one is tried; an explicit path that fails verification is a UserError.
+    """
+    if spec is None:
+        return None
+    if spec == "auto":
+        for _, path in reversed(list_complete(run_dir)):
+            problem = manifest.verify(path)
+            if problem is None:
+                return path
+            moved = set_aside(path)
+            if warn is not None:
+                warn(f"checkpoint {path} is damaged ({problem}); set aside as {moved}, trying the previous one")
+        return None
+    if not os.path.isdir(spec):
+        raise UserError(f"checkpoint.resume: no such checkpoint directory: {spec}")
+    if not os.path.isfile(os.path.join(spec, MARKER)):
+        raise UserError(f"checkpoint.resume: {spec} is not a complete checkpoint (no {MARKER} marker)")
+    problem = manifest.verify(spec)
+    if problem is not None:
+        raise UserError(f"checkpoint.resume: {spec} fails verification: {problem}")
+    return spec
+
+
+def read_state(path: str) -> dict:
+    """The ``trainer_state.json`` of a complete checkpoint; UserError when it is missing or foreign."""
+    state_path = os.path.join(path, STATE_FILE)
+    try:
+        with open(state_path, encoding="utf-8") as fh:
+            state = json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"checkpoint {path} is unreadable: {STATE_FILE}: {err}") from None
+    if state.get("format") != FORMAT or int(state.get("version", -1)) != VERSION:
+        raise UserError(f"checkpoint {path} is not a leangrpo_mcore training checkpoint of version {VERSION}")
+    return state
+
+
+def saved_config(path: str) -> Optional[dict]:
+    """The resolved config (as a dict) of the run that wrote the checkpoint, or None when unreadable."""
+    import yaml
+
+    try:
+        with open(os.path.join(path, "config.yaml"), encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except (OSError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def prune(run_dir: RunDir, keep_last: int, newest: Optional[str] = None) -> list[str]:
+    """Rank 0: delete all but ``keep_last`` checkpoints (0 keeps all); returns the deleted.
+
+    ``newest`` (the checkpoint just written) is always kept, whatever its step: a run resumed from an older
+    checkpoint must not lose its own latest state to checkpoints of the timeline it abandoned.
+    """
+    if keep_last <= 0:
+        return []
+    others = [path for _, path in list_complete(run_dir) if path != newest]
+    keep = keep_last - (1 if newest is not None else 0)
+    doomed = others[:len(others) - keep] if keep > 0 else others
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+# ------------------------------------------------------------------------------------------------ loading
 
 
 def rng_state() -> dict:
@@ -218,138 +471,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def list_complete(run_dir: RunDir) -> list[tuple[int, str]]:
-    """(step, path) of every complete checkpoint, oldest first."""
-    found = []
-    for name in run_dir.existing_checkpoints():
-        match = STEP_DIR.match(name)
-        path = os.path.join(run_dir.checkpoints_dir, name)
-        if match and os.path.isfile(os.path.join(path, MARKER)):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def resolve_resume(spec: Optional[str], run_dir: RunDir) -> Optional[str]:
-    """The checkpoint to resume from: None (fresh), ``auto`` (newest complete one, or None), or a path."""
-    if spec is None:
-        return None
-    if spec == "auto":
-        complete = list_complete(run_dir)
-        return complete[-1][1] if complete else None
-    if not os.path.isdir(spec):
-        raise UserError(f"checkpoint.resume: no such checkpoint directory: {spec}")
-    if not os.path.isfile(os.path.join(spec, MARKER)):
-        raise UserError(f"checkpoint.resume: {spec} is not a complete checkpoint (no {MARKER} marker)")
-    return spec
-
-
-def read_state(path: str) -> dict:
-    """The ``trainer_state.json`` of a complete checkpoint; UserError when it is missing or foreign."""
-    state_path = os.path.join(path, STATE_FILE)
+def _read_json(path: str) -> dict:
     try:
-        with open(state_path, encoding="utf-8") as fh:
-            state = json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"checkpoint {path} is unreadable: {STATE_FILE}: {err}") from None
-    if state.get("format") != FORMAT or int(state.get("version", -1)) > VERSION:
-        raise UserError(f"checkpoint {path} is not a leangrpo_mcore training checkpoint of version <= {VERSION}")
-    return state
-
-
-def save_checkpoint(run_dir: RunDir, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    lr_scheduler: Any, ema: Optional[dict[str, torch.Tensor]], layout: TPLayout,
-                    state: dict, config_yaml: str, write_model: Optional[WriteModel] = None) -> str:
-    """Collective: write the checkpoint of ``step`` atomically; returns its final path.
-
-    ``state`` is the JSON-able trainer state (step counter, sampler position, layout, counters);
-    ``write_model(dst_dir, model, full_parameters)`` writes the policy files on rank 0 (default:
-    :func:`write_policy_files`).
-    """
-    final = run_dir.checkpoint_path(step)
-    tmp = broadcast_object(f"{final}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None)
-    if _rank() == 0:
-        os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
-    model_state = _full_state(model.named_parameters(), layout)
-    if _rank() == 0:
-        (write_model or write_policy_files)(tmp, model, model_state)
-        del model_state
-    optim_state = optimizer_full_state(model, optimizer, layout)
-    ema_state = _full_state(iter(sorted(ema.items())), layout) if ema else {}
-    if _rank() == 0:
-        optim_state["lr_scheduler"] = lr_scheduler.state_dict() if lr_scheduler is not None else None
-        torch.save(optim_state, os.path.join(tmp, OPTIM_FILE))
-        if ema_state:
-            save_file(ema_state, os.path.join(tmp, EMA_FILE))
-    rng_path = os.path.join(tmp, "rng", f"rank_{_rank()}.pt")
-    torch.save(rng_state(), rng_path)
-    _fsync_file(rng_path)
-    _barrier()
-    if _rank() == 0:
-        _finish(tmp, final, step, state, config_yaml)
-    _barrier()
-    return final
-
-
-def _finish(tmp: str, final: str, step: int, state: dict, config_yaml: str) -> None:
-    for name in os.listdir(tmp):
-        if os.path.isfile(os.path.join(tmp, name)):
-            _fsync_file(os.path.join(tmp, name))
-    with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as fh:
-        fh.write(config_yaml)
-        fh.flush()
-        os.fsync(fh.fileno())
-    _write_json(os.path.join(tmp, STATE_FILE), {"format": FORMAT, "version": VERSION, "step": step, **state})
-    _write_json(os.path.join(tmp, MARKER), {"step": step})
-    _fsync_file(tmp)
-    if os.path.exists(final):
-        # Re-saving a step (a run resumed from an older checkpoint): move the old one aside, then drop it.
-        trash = f"{final}.tmp-replaced-{uuid.uuid4().hex[:8]}"
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync_file(os.path.dirname(final))
-
-
-def prune(run_dir: RunDir, keep_last: int) -> list[str]:
-    """Rank 0: delete all but the newest ``keep_last`` complete checkpoints (0 keeps all); returns the deleted."""
-    if keep_last <= 0:
-        return []
-    doomed = [path for _, path in list_complete(run_dir)[:-keep_last]]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
-
-
-def write_policy_files(dst: str, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Rank 0: write ``tensors`` (full parameters of ``model``) in the models package's policy format."""
-    family = family_for_config(model.config)
-    lora = getattr(model, "lora_config", None)
-    write_policy_checkpoint(dst, family=family.name, config=model.config.to_diffusers_config(),
-                            lora=None if lora is None else lora.to_dict(), tensors=tensors)
-
-
-def load_model_state(path: str, model: torch.nn.Module, layout: TPLayout) -> None:
-    """Load the parameters of ``path``'s policy files into this rank's shards of ``model`` (TP slice read only)."""
-    if not os.path.isfile(os.path.join(path, MODEL_FILE)):
-        raise UserError(f"checkpoint {path} has no {MODEL_FILE}")
-    try:
-        source = TensorSource.from_file(Path(path) / MODEL_FILE)
-        params = dict(model.named_parameters())
-        missing = sorted(set(params) - set(source.keys()))
-        if missing:
-            raise UserError(f"checkpoint {path} is incompatible: it lacks '{missing[0]}' ({len(missing)} missing)")
-        for name, param in params.items():
-            stub = layout[name]
-            expected = _full_shape(param, stub)
-            if tuple(source.shape(name)) != expected:
-                raise UserError(f"checkpoint {path} is incompatible: '{name}' has shape "
-                                f"{tuple(source.shape(name))}, this model expects {expected}")
-            _copy_into(param, shard_like(source.get_shard(name, stub), param, _UNSHARDED))
-    except CheckpointError as err:
-        raise UserError(f"checkpoint {path}: {err}") from None
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read checkpoint file {path}: {getattr(err, 'strerror', None) or err}") from None
 
 
 def _full_shape(target: torch.Tensor, stub: torch.Tensor) -> tuple[int, ...]:
@@ -359,23 +486,118 @@ def _full_shape(target: torch.Tensor, stub: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  ema: Optional[dict[str, torch.Tensor]], layout: TPLayout) -> tuple[dict, dict]:
+    """(the flat DCP state dict to load into, {parameter: {state key: fresh tensor}} of the optimizer)."""
+    stored = metadata.state_dict_metadata
+    targets: dict[str, Any] = {}
+    for name, param in model.named_parameters():
+        key, expected = f"model/{name}", _full_shape(param, layout[name])
+        if key not in stored:
+            missing = sum(f"model/{n}" not in stored for n, _ in model.named_parameters())
+            raise UserError(f"checkpoint {path} is incompatible: it lacks '{name}' ({missing} missing)")
+        if tuple(stored[key].size) != expected:
+            raise UserError(f"checkpoint {path} is incompatible: '{name}' has shape {tuple(stored[key].size)}, "
+                            f"this model expects {expected}")
+        targets[key] = _blocks(param, layout[name])
+    names = _param_names(model)
+    fresh: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            prefix = f"optim/{name}/"
+            for key in (k for k in stored if k.startswith(prefix)):
+                entry = stored[key]
+                dtype = entry.properties.dtype
+                if len(entry.size) == 0:
+                    value = torch.zeros((), dtype=dtype)
+                    targets[key] = value
+                else:
+                    value = torch.zeros_like(p.detach(), dtype=dtype)
+                    targets[key] = _blocks(value, layout[name])
+                fresh.setdefault(p, {})[key[len(prefix):]] = value
+    for name, shadow in (ema or {}).items():
+        if f"ema/{name}" not in stored:
+            raise UserError(f"checkpoint {path} has no EMA of '{name}' but train.ema_decay > 0")
+        targets[f"ema/{name}"] = _blocks(shadow, layout[name])
+    return targets, fresh
+
+
+def _apply_schedule_position(lr_scheduler: Any, optimizer: torch.optim.Optimizer, saved: Optional[dict]) -> None:
+    """Continue ``lr_scheduler`` (built from this run's config) at the saved position: the config decides the
+    learning rates and the schedule, the checkpoint only where in it the run is."""
+    if lr_scheduler is None or saved is None:
+        return
+    lr_scheduler.last_epoch = int(saved["last_epoch"])
+    lr_scheduler._step_count = int(saved["step_count"])
+    lrs = [base * fn(lr_scheduler.last_epoch) for base, fn in zip(lr_scheduler.base_lrs, lr_scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    lr_scheduler._last_lr = lrs
+
+
+def _check_groups(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, record: dict) -> None:
+    names = _param_names(model)
+    saved = record.get("param_groups", [])
+    if len(saved) != len(optimizer.param_groups):
+        raise UserError(f"checkpoint {path} has {len(saved)} optimizer parameter groups, this run has "
+                        f"{len(optimizer.param_groups)}")
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        mine = [names[id(p)] for p in group["params"]]
+        if mine != saved_group.get("param_names"):
+            differ = sorted(set(mine) ^ set(saved_group.get("param_names") or []))[:1] or mine[:1]
+            raise UserError(f"checkpoint {path} trains different parameters than this run (e.g. '{differ[0]}')")
+
+
+def nonfinite_tensor(named: dict[str, torch.Tensor]) -> Optional[str]:
+    """Collective: the name of a tensor that holds a NaN or inf on some rank, or None."""
+    bad = None
+    for name, tensor in named.items():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if local.numel() and not bool(torch.isfinite(local.detach()).all()):
+            bad = name
+            break
+    found = [bad]
+    if _world() > 1:
+        found = [None] * _world()
+        dist.all_gather_object(found, bad)
+    return next((name for name in found if name), None)
+
+
 def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                     ema: Optional[dict[str, torch.Tensor]], layout: TPLayout, same_layout: bool) -> dict:
-    """Restore model, optimizer, LR scheduler, EMA and (when ``same_layout``) RNG states; returns the trainer state."""
+    """Collective: restore model, optimizer state, LR-schedule position, EMA and (when ``same_layout``) RNG
+    states; returns the trainer state. Optimizer hyper-parameters stay those of this run's config."""
+    import torch.distributed.checkpoint as dcp
+
     state = read_state(path)
-    load_model_state(path, model, layout)
-    saved = torch.load(os.path.join(path, OPTIM_FILE), map_location="cpu", weights_only=True, mmap=True)
-    load_optimizer_full_state(model, optimizer, saved, layout)
-    if lr_scheduler is not None and saved.get("lr_scheduler") is not None:
-        lr_scheduler.load_state_dict(saved["lr_scheduler"])
-    if ema:
-        ema_file = os.path.join(path, EMA_FILE)
-        if not os.path.isfile(ema_file):
-            raise UserError(f"checkpoint {path} has no EMA but train.ema_decay > 0")
-        with safe_open(ema_file, framework="pt") as reader:
-            for name, shadow in ema.items():
-                _copy_into(shadow, shard_like(reader.get_tensor(name), shadow, layout[name]))
+    record = _read_json(os.path.join(path, OPTIM_FILE))
+    _check_groups(path, model, optimizer, record)
+    folder = Path(path) / DCP_DIR
+    try:
+        metadata = read_dcp_metadata(folder)
+    except CheckpointError as err:
+        raise UserError(f"checkpoint {path}: {err}") from None
+    targets, fresh = _load_targets(path, metadata, model, optimizer, ema, layout)
+    try:
+        with quiet_dcp():
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(folder)), planner=BlockLoadPlanner(),
+                     no_dist=_world() == 1)
+    except Exception as err:  # noqa: BLE001 -- a damaged data file, reported in one line
+        lines = str(err).strip().splitlines()
+        raise UserError(f"cannot read checkpoint {folder}: {lines[-1] if lines else type(err).__name__}") from None
+    names = _param_names(model)
+    for p, entries in fresh.items():
+        entries.update(record.get("scalars", {}).get(names[id(p)], {}))
+        optimizer.state[p] = entries
+    _apply_schedule_position(lr_scheduler, optimizer, record.get("lr_scheduler"))
+    bad = nonfinite_tensor({**dict(model.named_parameters()), **{f"EMA of {k}": v for k, v in (ema or {}).items()}})
+    if bad is not None:
+        raise UserError(f"checkpoint {path} holds non-finite values in '{bad}'; resume from an earlier checkpoint")
     rng_file = os.path.join(path, "rng", f"rank_{_rank()}.pt")
     if same_layout and os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        try:
+            set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        except Exception as err:  # noqa: BLE001 -- truncated or foreign file
+            raise UserError(f"cannot read checkpoint file {rng_file}: {type(err).__name__}") from None
     return state

@@ -9,8 +9,8 @@ Layout::
       samples/step_<N>.png   image grids captioned with prompt and reward
       tensorboard/           event files
 
-A fresh run (``checkpoint.resume: null``) refuses a directory that already holds checkpoints, before anything is
-written. A resumed run drops the metrics rows past the checkpoint's step, so ``metrics.jsonl`` reads exactly as if
+A fresh run (``checkpoint.resume: null``) refuses a directory that already holds checkpoints or metrics, before
+anything is written (``train.overwrite: true`` deletes them instead). A resumed run drops the metrics rows past the checkpoint's step, so ``metrics.jsonl`` reads exactly as if
 the run had never been interrupted.
 """
 
@@ -76,16 +76,26 @@ class RunDir:
         return sorted(name for name in os.listdir(self.checkpoints_dir) if STEP_ANY.match(name))
 
 
-def check_fresh_run(run_dir: RunDir) -> None:
-    """UserError when a fresh run would write into a directory that already holds checkpoints."""
+def check_fresh_run(run_dir: RunDir, *, overwrite: bool = False) -> None:
+    """UserError when a fresh run would write into a directory that holds an earlier run's checkpoints or
+    metrics; with ``overwrite`` those (and its samples and TensorBoard events) are deleted instead."""
     if os.path.exists(run_dir.root) and not os.path.isdir(run_dir.root):
         raise UserError(f"train.output_dir '{run_dir.root}' exists and is not a directory")
     found = [name for name in run_dir.existing_checkpoints() if STEP_DIR.match(name)]
-    if found:
-        raise UserError(
-            f"train.output_dir '{run_dir.root}' already holds checkpoints ({found[-1]}); set checkpoint.resume=auto "
-            f"to continue that run, or choose another train.output_dir"
-        )
+    has_metrics = os.path.isfile(run_dir.metrics_path) and os.path.getsize(run_dir.metrics_path) > 0
+    if not found and not has_metrics:
+        return
+    if overwrite:
+        for path in (run_dir.checkpoints_dir, run_dir.samples_dir, run_dir.tensorboard_dir):
+            shutil.rmtree(path, ignore_errors=True)
+        if os.path.isfile(run_dir.metrics_path):
+            os.remove(run_dir.metrics_path)
+        return
+    what = f"checkpoints ({found[-1]})" if found else "the metrics of an earlier run (metrics.jsonl)"
+    raise UserError(
+        f"train.output_dir '{run_dir.root}' already holds {what}; set checkpoint.resume=auto to continue that "
+        f"run, train.overwrite=true to replace it, or choose another train.output_dir"
+    )
 
 
 def prepare(run_dir: RunDir, config_yaml: str, *, resume_step: Optional[int]) -> None:
@@ -95,19 +105,29 @@ def prepare(run_dir: RunDir, config_yaml: str, *, resume_step: Optional[int]) ->
     ``resume_step`` is the step of the checkpoint being resumed, or None for a fresh run (which starts an empty
     metrics file: a fresh run reaches here only when the directory holds no checkpoint).
     """
+    # Unfinished writes go first: after a full disk they are what frees the space the new files need.
+    remove_unfinished(run_dir)
     for path in (run_dir.root, run_dir.checkpoints_dir, run_dir.samples_dir):
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as err:
             raise UserError(f"cannot create train.output_dir '{path}': {err.strerror}") from None
-    write_text_atomic(run_dir.config_path, config_yaml)
-    truncate_metrics(run_dir.metrics_path, resume_step or 0)
-    remove_unfinished(run_dir)
+    try:
+        write_text_atomic(run_dir.config_path, config_yaml)
+        truncate_metrics(run_dir.metrics_path, resume_step or 0)
+    except OSError as err:
+        raise UserError(f"cannot write {err.filename or run_dir.root}: {err.strerror}") from None
 
 
 def remove_unfinished(run_dir: RunDir) -> list[str]:
-    """Delete the ``step_<N>.tmp-*`` directories that interrupted saves left behind (never resumable)."""
+    """Delete the ``step_<N>.tmp-*`` directories that interrupted saves left behind (never resumable), and the
+    temporary files of interrupted atomic writes in the run directory."""
     removed = []
+    if os.path.isdir(run_dir.root):
+        for name in os.listdir(run_dir.root):
+            if ".tmp-" in name and os.path.isfile(os.path.join(run_dir.root, name)):
+                os.remove(os.path.join(run_dir.root, name))
+                removed.append(os.path.join(run_dir.root, name))
     for name in run_dir.existing_checkpoints():
         if not STEP_DIR.match(name):
             path = os.path.join(run_dir.checkpoints_dir, name)

@@ -14,6 +14,7 @@ Robustness rules:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -151,6 +152,8 @@ class Trainer:
                         "different ranks (parallel.reshard_after_forward=null)", config.grpo.timestep_selection)
         self.guard = NonFiniteGuard(self.parts.optimizer)
         self.state = LoopState()
+        self.resumed_step: Optional[int] = None
+        self.pending: Optional[checkpoint.PendingSave] = None
         if self.resume_path is not None:
             self._resume(self.resume_path, same_layout)
         self.config_yaml = config_to_yaml(config)
@@ -164,12 +167,9 @@ class Trainer:
 
     def _resume_target(self) -> Optional[str]:
         spec = self.config.checkpoint.resume
-        if spec is None:
-            check_fresh_run(self.run_dir)
-            return None
-        path = checkpoint.resolve_resume(spec, self.run_dir)
+        path = checkpoint.resolve_resume(spec, self.run_dir, warn=self.log.warning)
         if path is None:
-            check_fresh_run(self.run_dir)
+            check_fresh_run(self.run_dir, overwrite=self.config.train.overwrite)
         return path
 
     def _layout_record(self) -> dict:
@@ -197,12 +197,25 @@ class Trainer:
 
     def _resume(self, path: str, same: bool) -> None:
         p = self.parts
+        self._log_changed_settings(path)
         state = checkpoint.load_checkpoint(path, model=p.policy, optimizer=p.optimizer, lr_scheduler=p.lr_scheduler,
                                            ema=p.ema, layout=p.tp_layout, same_layout=same)
         self.data.sampler.load_state_dict(state["sampler"])
         self.state.step = int(state["step"])
         self.state.nonfinite_streak = int(state.get("nonfinite_streak", 0))
+        self.resumed_step = self.state.step
         self.log.info("resumed from %s at step %d", path, self.state.step)
+
+    def _log_changed_settings(self, path: str) -> None:
+        """One line per optimizer setting that differs from the checkpoint's run: this run's value applies."""
+        saved = checkpoint.saved_config(path)
+        if saved is None:
+            return
+        mine = dataclasses.asdict(self.config.optim)
+        for key, value in sorted(mine.items()):
+            before = saved.get("optim", {}).get(key)
+            if before is not None and before != value:
+                self.log.info("resume: optim.%s changed from %r to %r; the new value applies", key, before, value)
 
     def run(self) -> LoopState:
         """Train until ``train.max_steps``; returns the final counters."""
@@ -212,6 +225,7 @@ class Trainer:
                 self._train_step(step)
                 if self._save_due(step):
                     self._save(step)
+            self._finish_save()
         finally:
             self.metrics.close()
             self.progress.close()
@@ -294,6 +308,9 @@ class Trainer:
         self.metrics.add_image("samples", np.asarray(grid), step)
 
     def _stop_if_diverged(self, step: int) -> None:
+        if self.resumed_step is not None and step == self.resumed_step + 1 and self.state.nonfinite_streak:
+            raise TrainingStopped(f"step {step}, the first after resuming from step {self.resumed_step}, has a "
+                                  f"non-finite loss or gradient; the checkpoint does not train")
         limit = max(self.config.train.max_nonfinite_skips, 1)
         if self.state.nonfinite_streak >= limit:
             raise TrainingStopped(f"stopping at step {step}: {self.state.nonfinite_streak} consecutive updates had a "
@@ -301,14 +318,25 @@ class Trainer:
                                   f"{self.config.train.max_nonfinite_skips}); lower optim.lr or check the reward")
 
     def _save(self, step: int) -> None:
+        self._finish_save()
         p = self.parts
         record = {**self._layout_record(), "sampler": self.data.sampler.state_dict(),
                   "nonfinite_streak": self.state.nonfinite_streak}
-        path = checkpoint.save_checkpoint(self.run_dir, step, model=p.policy, optimizer=p.optimizer,
-                                          lr_scheduler=p.lr_scheduler, ema=p.ema, layout=p.tp_layout, state=record,
-                                          config_yaml=self.config_yaml)
+        self.pending = checkpoint.save_checkpoint(self.run_dir, step, model=p.policy, optimizer=p.optimizer,
+                                                  lr_scheduler=p.lr_scheduler, ema=p.ema, layout=p.tp_layout,
+                                                  state=record, config_yaml=self.config_yaml,
+                                                  async_save=self.config.checkpoint.async_save)
+        if not self.config.checkpoint.async_save:
+            self._finish_save()
+
+    def _finish_save(self) -> None:
+        """Publish the checkpoint being written (waits for a background write), then prune."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        path = pending.finish()
         if self.dist.is_main:
-            for gone in checkpoint.prune(self.run_dir, self.config.checkpoint.keep_last):
+            for gone in checkpoint.prune(self.run_dir, self.config.checkpoint.keep_last, newest=path):
                 self.log.info("removed old checkpoint %s", gone)
         self.log.info("saved checkpoint %s", path)
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from leangrpo_mcore.cli.convert import main as convert_main
 from leangrpo_mcore.cli.train import main as train_main
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
+from tests.ckpt_helpers import model_tensors, stored_tensors
 from tests.distributed.launcher import free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -85,8 +85,8 @@ def _check_run_dir(run: Path, steps: int) -> None:
 def test_flux_world1_trains_and_exports_to_diffusers(flux_world1, tmp_path):
     run, rows = flux_world1
     _check_run_dir(run, 3)
-    first = load_file(str(run / "checkpoints" / "step_2" / "model.safetensors"))
-    last = load_file(str(run / "checkpoints" / "step_3" / "model.safetensors"))
+    first = model_tensors(run / "checkpoints" / "step_2")
+    last = model_tensors(run / "checkpoints" / "step_3")
     assert any(not torch.equal(first[k], last[k]) for k in first)  # the weights moved
     assert convert_main(["mcore-to-diffusers", "--src", str(run / "checkpoints" / "step_3"),
                          "--dst", str(tmp_path / "export")]) == 0
@@ -94,6 +94,14 @@ def test_flux_world1_trains_and_exports_to_diffusers(flux_world1, tmp_path):
 
     exported = FluxTransformer2DModel.from_pretrained(str(tmp_path / "export"))
     assert sum(p.numel() for p in exported.parameters()) == sum(t.numel() for t in last.values())
+    # The master weights leave in their own dtype, or in the one asked for.
+    from safetensors import safe_open
+
+    assert convert_main(["mcore-to-diffusers", "--src", str(run / "checkpoints" / "step_3"), "--dtype", "bfloat16",
+                         "--dst", str(tmp_path / "bf16")]) == 0
+    for folder, dtype in (("export", torch.float32), ("bf16", torch.bfloat16)):
+        with safe_open(str(tmp_path / folder / "diffusion_pytorch_model.safetensors"), framework="pt") as fh:
+            assert {fh.get_tensor(k).dtype for k in fh.keys()} == {dtype}
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +138,7 @@ def _resume_here(src: Path, dst: Path, capsys, *overrides: str) -> tuple[list[di
 
 
 def _close_weights(a: Path, b: Path, rtol: float) -> None:
-    mine, ref = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    mine, ref = model_tensors(a), model_tensors(b)
     assert mine.keys() == ref.keys()
     for name in ref:
         assert torch.allclose(mine[name], ref[name], rtol=rtol, atol=1e-6), name
@@ -196,13 +204,12 @@ def test_fsdp_resume_at_world2_is_bit_identical(world2_runs):
     root, _ = world2_runs
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "max_rss"))} for r in rows]
     assert strip(_rows(root / "resumed")) == strip(_rows(root / "wan2"))
-    mine = load_file(str(root / "resumed" / "checkpoints" / "step_3" / "model.safetensors"))
-    ref = load_file(str(root / "wan2" / "checkpoints" / "step_3" / "model.safetensors"))
-    assert all(torch.equal(mine[k], ref[k]) for k in ref)
-    optim = [torch.load(str(r / "checkpoints" / "step_3" / "optimizer.pt"), weights_only=True)
-             for r in (root / "resumed", root / "wan2")]
-    assert all(torch.equal(optim[0]["state"][n]["exp_avg_sq"], optim[1]["state"][n]["exp_avg_sq"])
-               for n in optim[1]["state"])
+    mine = model_tensors(root / "resumed" / "checkpoints" / "step_3")
+    ref = model_tensors(root / "wan2" / "checkpoints" / "step_3")
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    optim = [stored_tensors(r / "checkpoints" / "step_3", "optim/") for r in (root / "resumed", root / "wan2")]
+    assert optim[0].keys() == optim[1].keys() and any(k.endswith("exp_avg_sq") for k in optim[1])
+    assert all(torch.equal(optim[0][k], optim[1][k]) for k in optim[1])
 
 
 def test_tp2_lora_checkpoint_resumes_at_tp1(world2_runs, tmp_path, capsys):
@@ -215,5 +222,5 @@ def test_tp2_lora_checkpoint_resumes_at_tp1(world2_runs, tmp_path, capsys):
         assert mine["reward_mean"] == pytest.approx(ref["reward_mean"], rel=1e-4)
     _close_weights(tmp_path / "run" / "checkpoints" / "step_3", tmp_path / "ref" / "checkpoints" / "step_3",
                    rtol=1e-4)
-    ema = load_file(str(tmp_path / "run" / "checkpoints" / "step_3" / "ema.safetensors"))
+    ema = stored_tensors(tmp_path / "run" / "checkpoints" / "step_3", "ema/")
     assert all("lora_" in name for name in ema) and ema

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from leangrpo_mcore.cli.train import main
 from leangrpo_mcore.engine.trainer import NonFiniteGuard
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
+from tests.ckpt_helpers import model_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -118,7 +118,7 @@ def test_repeated_nonfinite_updates_stop_the_run(capsys, tmp_path):
     rows = [json.loads(text) for text in (run / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["skipped"]) for r in rows] == [(1, 0), (2, 1), (3, 1)]
     # The step-2 checkpoint holds the weights after step 1: the skipped update never reached them.
-    weights = load_file(str(run / "checkpoints" / "step_2" / "model.safetensors"))
+    weights = model_tensors(run / "checkpoints" / "step_2")
     assert all(bool(torch.isfinite(t).all()) for t in weights.values())
     assert os.listdir(run / "checkpoints") == ["step_2"]
 

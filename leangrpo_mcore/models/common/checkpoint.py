@@ -4,7 +4,9 @@ Our format is a directory holding
 
 - ``leangrpo_model.json``: ``{"format": "leangrpo_mcore.policy", "version": 1, "family": ...,
   "config": <diffusers-style hyper-parameters>, "lora": null | {"rank", "alpha", "targets"}}``;
-- ``model.safetensors``: the FULL (TP-gathered) tensors under our parameter names.
+- ``model.safetensors``: the FULL (TP-gathered) tensors under our parameter names, or, in a training
+  checkpoint, ``dcp/``: the sharded ``torch.distributed.checkpoint`` files holding them under ``model/<name>``
+  (read with :class:`~leangrpo_mcore.models.common.dcp_source.DCPSource`).
 
 Reads go through :class:`TensorSource`, which opens a single ``.safetensors`` file or a sharded set
 (``*.safetensors.index.json`` with a ``weight_map``) lazily, and reads only this rank's slice of a
@@ -28,6 +30,7 @@ FORMAT_NAME = "leangrpo_mcore.policy"
 FORMAT_VERSION = 1
 META_FILE = "leangrpo_model.json"
 WEIGHTS_FILE = "model.safetensors"
+DCP_DIR = "dcp"
 DIFFUSERS_CONFIG = "config.json"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -184,6 +187,10 @@ def read_policy_checkpoint(path: str | os.PathLike) -> tuple[dict, TensorSource]
     for key in ("family", "config"):
         if key not in meta:
             raise CheckpointError(f"{folder / META_FILE} lacks {key!r}")
+    if not (folder / WEIGHTS_FILE).is_file() and (folder / DCP_DIR).is_dir():
+        from leangrpo_mcore.models.common.dcp_source import DCPSource
+
+        return meta, DCPSource(folder / DCP_DIR)
     return meta, TensorSource.from_file(folder / WEIGHTS_FILE)
 
 
@@ -238,12 +245,14 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Opt
 
 
 def write_policy_checkpoint(dst: str | os.PathLike, *, family: str, config: dict, lora: Optional[dict],
-                            tensors: dict[str, torch.Tensor]) -> Path:
-    """Write our format to ``dst`` (created if needed); returns the directory."""
+                            tensors: Optional[dict[str, torch.Tensor]]) -> Path:
+    """Write our format to ``dst`` (created if needed); returns the directory. ``tensors=None`` writes the
+    metadata only (a training checkpoint, whose tensors are in ``dcp/``)."""
     folder = Path(dst)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "family": family, "config": config, "lora": lora}
-    save_safetensors(tensors, folder / WEIGHTS_FILE, metadata={"format": FORMAT_NAME})
+    if tensors is not None:
+        save_safetensors(tensors, folder / WEIGHTS_FILE, metadata={"format": FORMAT_NAME})
     (folder / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return folder
 
