@@ -258,6 +258,16 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _certificate_error(exc: BaseException) -> Optional[ssl.SSLCertVerificationError]:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _is_loopback(host: str) -> bool:
     if host.lower() == "localhost":
         return True
@@ -405,6 +415,10 @@ class RemoteReward:
         except httpx.TimeoutException as exc:
             raise _Retry(f"{type(exc).__name__}: timed out after {self.timeout_s:g} s (reward.timeout_s)") from None
         except (httpx.TransportError, OSError) as exc:  # connection refused or reset, protocol errors, TLS
+            cert_error = _certificate_error(exc)
+            if cert_error is not None:  # the same certificate fails again: not worth a retry
+                raise RewardError(f"reward server {self.url} failed TLS verification: {_one_line(cert_error)} "
+                                  "(reward.ca_bundle names the CA file that signed its certificate)") from None
             raise _Retry(_one_line(exc)) from None
         finally:
             self._deadline.at = None
