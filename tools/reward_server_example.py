@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -160,7 +161,10 @@ def make_server(
         build_reward(reward), max_body_bytes=max_body_bytes, max_images=max_images, client_timeout_s=client_timeout_s,
         max_pixels=max_pixels, max_concurrent=max_concurrent,
     )
-    return RewardServer((host, port), handler, max_requests=max_requests)
+    server_class = RewardServer
+    if ":" in host:  # an IPv6 address such as ::1
+        server_class = type("RewardServer6", (RewardServer,), {"address_family": socket.AF_INET6})
+    return server_class((host, port), handler, max_requests=max_requests)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -184,7 +188,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_images=args.max_images, max_pixels=args.max_pixels, max_concurrent=args.max_concurrent,
         client_timeout_s=args.client_timeout_s, max_requests=args.max_requests,
     )
-    print(f"serving reward '{args.reward}' on http://{args.host}:{server.server_port}/", flush=True)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"serving reward '{args.reward}' on http://{host}:{server.server_port}/", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -291,7 +291,8 @@ def test_oversized_reply_fails_without_being_read():
 
 def test_redirects_are_refused():
     other_calls = []
-    with _serving(TOOL.make_server(0, handler=_reply_handler([(200, b'{"rewards": [1, 2, 3]}')], other_calls))) as other:
+    target = TOOL.make_server(0, handler=_reply_handler([(200, b'{"rewards": [1, 2, 3]}')], other_calls))
+    with _serving(target) as other:
         def redirect(wfile, log):
             wfile.write(f"HTTP/1.1 307 Temporary Redirect\r\nLocation: {other}\r\nContent-Length: 0\r\n\r\n".encode())
 
@@ -451,7 +452,8 @@ def test_example_server_is_threaded_and_refuses_bodies_without_length():
             assert _remote(url, [], retries=0)(_images(), PROMPTS).shape == (3,)
             assert time.monotonic() - start < 2.0  # served beside the stalled connection
         with socket.create_connection(("127.0.0.1", port), timeout=5) as chunked:
-            chunked.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+            chunked.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                            b"5\r\nhello\r\n0\r\n\r\n")
             assert chunked.recv(4096).startswith(b"HTTP/1.1 411 ")
 
 

@@ -18,7 +18,9 @@ abandoned as soon as it is known to be (from its Content-Length, or while it str
 same-origin ones included: a POST that is redirected is a misconfigured URL, and following it could send the
 images and the token to another host. With ``auth_env`` the request carries ``Authorization: Bearer <token>``,
 the token read from that environment variable (the config names the variable, never the secret).
-``ca_bundle`` verifies an https server against that CA file instead of the default trust store.
+``ca_bundle`` verifies an https server against that CA file instead of the default trust store. Plain http to
+a host other than this machine warns once. Loopback servers are reached directly; others through an http://
+proxy named by the environment (``HTTP_PROXY`` / ``HTTPS_PROXY``) unless ``NO_PROXY`` lists them.
 
 Connection failures, timeouts, HTTP 429 and 5xx are retried ``retries`` times with exponential backoff
 (``backoff_s · 2^k`` seconds, at most ``max_backoff_s``): scoring the same images again is harmless. Other HTTP
@@ -371,7 +373,8 @@ class RemoteReward:
         try:
             return ssl.create_default_context(cafile=ca_bundle)
         except (ssl.SSLError, OSError) as exc:
-            raise ValueError(f"reward 'remote': reward.ca_bundle {ca_bundle} is not a CA file: {_one_line(exc)}") from None
+            message = f"reward 'remote': reward.ca_bundle {ca_bundle} is not a CA file: {_one_line(exc)}"
+            raise ValueError(message) from None
 
     @staticmethod
     def _environment_proxy(parsed: urllib.parse.SplitResult) -> Optional[str]:
