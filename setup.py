@@ -31,6 +31,8 @@ setup(
         "pillow",
         "tensorboard",
         "tqdm",
+        "httpx>=0.28,<1",  # the remote reward's client (pure Python)
+        "httpcore>=1.0,<2",  # its transport, used directly for per-request deadlines
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

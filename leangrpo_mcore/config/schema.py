@@ -90,9 +90,15 @@ class RewardConfig:
     url: Optional[str] = None
     """For name 'remote': the HTTP endpoint of a reward server."""
     timeout_s: float = option(60.0, gt=0.0)
-    """For name 'remote': per-request timeout in seconds."""
+    """For name 'remote': seconds one request may take in all (connect, send, wait, read the whole reply)."""
     retries: int = option(3, ge=0)
-    """For name 'remote': retries after a failed request."""
+    """For name 'remote': retries after a failed request (connection errors, timeouts, HTTP 429 and 5xx only)."""
+    max_response_bytes: int = option(16 << 20, gt=0)
+    """For name 'remote': largest accepted reply in bytes; a larger one fails without being read whole."""
+    auth_env: Optional[str] = None
+    """For name 'remote': NAME of an environment variable holding a bearer token (never the token itself)."""
+    ca_bundle: Optional[str] = None
+    """For name 'remote': CA certificate file (PEM) that verifies an https reward server."""
     async_scoring: bool = False
     """Score rewards in a background thread so that scoring overlaps the next rollout where possible."""
 

@@ -179,7 +179,8 @@ def _reward(config: Config) -> ValidatedReward:
     if r.name == "remote":
         if not r.url:
             raise UserError("reward.name=remote needs reward.url")
-        return build_reward("remote", url=r.url, timeout_s=r.timeout_s, retries=r.retries)
+        return build_reward("remote", url=r.url, timeout_s=r.timeout_s, retries=r.retries,
+                            max_response_bytes=r.max_response_bytes, auth_env=r.auth_env, ca_bundle=r.ca_bundle)
     return build_reward(r.name)
 
 
