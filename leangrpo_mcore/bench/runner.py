@@ -122,7 +122,7 @@ class Bench:
         build.check_layout_early(config, self.pctx)
         family, hyper = build.policy_hyper(config)
         self.data = build.build_data_parts(config, family, hyper, dist_ctx.device)
-        self.parts = build.build_policy_parts(config, self.pctx)
+        self.parts = build.build_policy_parts(config, self.pctx, build.precision_of(config, self.pctx))
         self.bridge = RewardBridge(self.data, config)
         self.engines: dict[str, StepEngine] = {
             label: build.build_engine(variant_config(config, label), VARIANTS[label].schedule, self.parts,

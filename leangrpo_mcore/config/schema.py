@@ -130,7 +130,9 @@ class ModelConfig:
     backend: str = option("auto", choices=("auto", "local", "te"))
     """Layer backend: te (Transformer Engine) when it imports and CUDA is available, else local megatron-core."""
     dtype: str = option("float32", choices=("float32", "bfloat16", "float16"))
-    """Parameter / compute dtype of the policy."""
+    """Compute dtype of the policy's forwards and backwards: FSDP2 casts the master weights to it."""
+    master_dtype: Optional[str] = option(None, choices=("float32", "bfloat16"))
+    """dtype of the master weights (the FSDP2 shards) and of the optimizer state; null = float32."""
     fp8: Optional[str] = option(None, choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
     """FP8 recipe for TE layers (null = off); needs the te backend."""
     activation_checkpointing: bool = False
@@ -163,8 +165,8 @@ class ParallelConfig:
     """HSDP replica degree (across nodes); auto = 1."""
     layout: str = option("shared", choices=("shared", "conventional"))
     """shared: a prompt's generations spread over ranks (LeanGRPO); conventional: each rank holds whole groups."""
-    param_dtype: str = option("float32", choices=("float32", "bfloat16"))
-    """FSDP2 MixedPrecisionPolicy parameter dtype."""
+    param_dtype: Optional[str] = option(None, choices=("float32", "bfloat16", "float16"))
+    """FSDP2 MixedPrecisionPolicy parameter dtype: the compute dtype, so null (= model.dtype) or equal to it."""
     reduce_dtype: str = option("float32", choices=("float32", "bfloat16"))
     """FSDP2 MixedPrecisionPolicy gradient-reduction dtype."""
     reshard_after_forward: Optional[bool] = None
@@ -186,6 +188,8 @@ class ScheduleConfig:
     """reweight: one provisional gradient per in-flight sample, or the two affine accumulators (exact unless clamped)."""
     micro_batch: int = option(1, ge=1)
     """Samples per policy forward on a rank."""
+    provisional_dtype: Optional[str] = option(None, choices=("float32", "bfloat16"))
+    """reweight: dtype in which the provisional gradients wait for their advantage; null = parallel.reduce_dtype."""
 
 
 @dataclass

@@ -28,14 +28,15 @@ from leangrpo_mcore.engine.launch import DistContext
 from leangrpo_mcore.engine.optim import build_lr_scheduler, build_optimizer, trainable_parameters
 from leangrpo_mcore.engine.step import RewardFn, StepEngine, StepPlan
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.models import LoRAConfig, apply_lora, build_policy, get_family, load_policy
+from leangrpo_mcore.models import LoRAConfig, apply_lora, get_family
 from leangrpo_mcore.models import mark_only_lora_trainable, resolve_model_config
 from leangrpo_mcore.models.common import checkpoint as ckpt
-from leangrpo_mcore.models.registry import ModelFamily, family_for_diffusers_class
+from leangrpo_mcore.models.registry import (ModelFamily, family_for_diffusers_class, materialize, meta_policy,
+                                             read_policy_files)
 from leangrpo_mcore.parallel.groups import check_layout
 from leangrpo_mcore.parallel.fsdp import apply_fsdp
 from leangrpo_mcore.parallel.mesh import Layout, ParallelContext, build_parallel_context
-from leangrpo_mcore.parallel.precision import fp8_precision, null_precision, torch_dtype
+from leangrpo_mcore.parallel.precision import RunPrecision, fp8_precision, null_precision, run_precision, torch_dtype
 from leangrpo_mcore.rl.rewards import ValidatedReward, build_reward
 
 HASHED_TEXT_LENGTH = 16
@@ -134,31 +135,42 @@ def _lora_section(section: LoRASection, family: ModelFamily) -> LoRAConfig:
     return LoRAConfig(rank=section.rank, alpha=section.alpha, targets=targets)
 
 
-def _make_policy(config: Config) -> tuple[torch.nn.Module, ModelFamily]:
+def precision_of(config: Config, pctx: ParallelContext) -> RunPrecision:
+    """The run's dtypes; UserError when forwards must be cast but nothing can cast them."""
+    precision = run_precision(config.model, config.parallel, config.schedule)
+    if precision.casts and pctx.dp_mesh is None and pctx.world_size > 1:
+        raise UserError(f"model.dtype={precision.compute} under model.master_dtype={precision.master} needs FSDP2 "
+                        f"to cast the weights, and tensor parallelism alone (no data parallelism) has none: set "
+                        f"model.master_dtype={precision.compute} or add data-parallel ranks")
+    return precision
+
+
+def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrecision) -> PolicyParts:
+    """Policy (+LoRA) built on the meta device, TP layout record, FSDP2 (casting to the compute dtype) applied on
+    the meta model, then only this rank's shards allocated in the master dtype and filled (seeded init, or read
+    box by box from ``model.path``); then optimizer, LR schedule and EMA shadows. No rank holds the full model."""
     m = config.model
-    dtype = torch_dtype(m.dtype)
-    if m.path is not None:
-        policy = load_policy(m.path, backend=m.backend, dtype=dtype)
+    files = read_policy_files(m.path) if m.path is not None else None
+    if files is not None:
+        family, model_config = files.family, files.config
         if m.activation_checkpointing:
-            policy.config.activation_checkpointing = True
-        return policy, get_family(m.family)
-    spec = {"family": m.family, "preset": m.preset, **m.arch,
-            "activation_checkpointing": m.activation_checkpointing, "fp8": m.fp8}
-    return build_policy(spec, seed=m.seed, backend=m.backend, dtype=dtype), get_family(m.family)
-
-
-def build_policy_parts(config: Config, pctx: ParallelContext) -> PolicyParts:
-    """Policy (+LoRA), TP layout record, FSDP2, optimizer, LR schedule and EMA shadows."""
-    policy, family = _make_policy(config)
+            model_config = dataclasses.replace(model_config, activation_checkpointing=True)
+    else:
+        family, model_config = resolve_model_config({"family": m.family, "preset": m.preset, **m.arch,
+                                                     "activation_checkpointing": m.activation_checkpointing,
+                                                     "fp8": m.fp8})
+    policy = meta_policy(family, model_config, m.backend, torch_dtype(precision.master),
+                         files.lora if files is not None else None)
     lora = config.model.lora
     if lora.rank > 0 and getattr(policy, "lora_config", None) is None:
-        apply_lora(policy, _lora_section(lora, family), seed=config.model.seed)
+        with torch.device("meta"):
+            apply_lora(policy, _lora_section(lora, family), seed=m.seed)
     if getattr(policy, "lora_config", None) is not None:
         mark_only_lora_trainable(policy)
-    policy.to(pctx.device)
     tp_layout = capture_tp_layout(policy)
-    par = config.parallel
-    apply_fsdp(policy, pctx, param_dtype=par.param_dtype, reduce_dtype=par.reduce_dtype)
+    materialize(policy, pctx.device, seed=m.seed, files=files, layout=tp_layout,
+                wrap=lambda model: apply_fsdp(model, pctx, param_dtype=precision.compute,
+                                              reduce_dtype=precision.reduce, cast_only=precision.casts))
     params = trainable_parameters(policy)
     optimizer = build_optimizer(params, config.optim)
     scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps)

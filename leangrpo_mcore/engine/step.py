@@ -14,6 +14,7 @@ Reweight), the later ones by Native at the current parameters, since the rollout
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -78,6 +79,8 @@ class StepPlan:
     """Gradient sync of Native/Retain: per_backward, coalesced, or None (Native per backward, Retain coalesced)."""
     reweight_accumulate: str = "per_sample"
     """Reweight's provisional-gradient accumulation: per_sample or affine."""
+    provisional_dtype: Optional[str] = None
+    """Reweight's provisional-gradient dtype (None: as the backward leaves them)."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip (0: off)."""
     seed: int = 0
@@ -104,6 +107,7 @@ class StepPlan:
             layout=cfg.parallel.layout, micro_batch=cfg.schedule.micro_batch,
             updates_per_rollout=g.updates_per_rollout, sync="coalesced" if cfg.schedule.coalesce_sync else None,
             reweight_accumulate=cfg.schedule.reweight_accumulate, max_grad_norm=cfg.optim.max_grad_norm,
+            provisional_dtype=cfg.schedule.provisional_dtype or cfg.parallel.reduce_dtype,
             seed=cfg.train.seed, same_latent=s.same_latent,
             reshard_after_forward=cfg.parallel.reshard_after_forward,
         )
@@ -139,9 +143,10 @@ class StepPlan:
 
     def reweight_plan(self) -> ReweightPlan:
         """The exact accumulation Reweight uses for these settings."""
-        return plan_reweight(self.reweight_accumulate, advantage=self.advantage, group_size=self.group_size,
+        plan = plan_reweight(self.reweight_accumulate, advantage=self.advantage, group_size=self.group_size,
                              prompts_per_step=self.prompts_per_step, adv_clip_max=self.adv_clip_max,
                              global_std=self.global_std)
+        return dataclasses.replace(plan, provisional_dtype=self.provisional_dtype)
 
     def selection_varies(self, ctx: ParallelContext) -> bool:
         """Whether the data-parallel ranks train different steps in one round."""

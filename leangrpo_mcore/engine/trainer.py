@@ -140,11 +140,14 @@ class Trainer:
         self.resume_path = first_error(self._resume_target)
         self.pctx = build.build_context(config, dist_ctx)
         build.check_layout_early(config, self.pctx)
+        self.precision = build.precision_of(config, self.pctx)
+        if self.precision.legacy_note:
+            logger.info("%s", self.precision.legacy_note)
         self.family, self.hyper = build.policy_hyper(config)
         self.lora = build.lora_record(config, self.family)
         same_layout = self._check_compatible(self.resume_path) if self.resume_path else True
         self.data = build.build_data_parts(config, self.family, self.hyper, dist_ctx.device)
-        self.parts = build.build_policy_parts(config, self.pctx)
+        self.parts = build.build_policy_parts(config, self.pctx, self.precision)
         self.bridge = RewardBridge(self.data, config)
         self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
         if config.parallel.reshard_after_forward is None and self.engine.plan.keeps_gathered(self.pctx):

@@ -16,7 +16,10 @@ import torch
 
 from leangrpo_mcore.models.common import checkpoint as ckpt
 from leangrpo_mcore.models.common.fp8 import fp8_config
-from leangrpo_mcore.models.common.init import init_parameters
+from leangrpo_mcore.models.common.assembly import _check as check_shapes, stored_shapes
+from leangrpo_mcore.models.common.materialize import (BoxReader, assembled_boxes, fill, init_rules, random_boxes,
+                                                      source_boxes)
+from leangrpo_mcore.models.common.tp import full_shape
 from leangrpo_mcore.models.common.lora import LoRAConfig, apply_lora, lora_is_merged
 
 FAMILY_MODULES = {"flux": "leangrpo_mcore.models.flux", "wan": "leangrpo_mcore.models.wan"}
@@ -134,13 +137,92 @@ def resolve_model_config(model_config: Union[str, Mapping, Any]) -> tuple[ModelF
     return family_for_config(model_config), model_config
 
 
+@dataclass
+class PolicyFiles:
+    """What a checkpoint directory holds, read from its metadata only (no weights)."""
+
+    family: ModelFamily
+    config: Any
+    lora: Optional[LoRAConfig]
+    """The adapters stored with the weights (our format), or None."""
+    reader: BoxReader
+    """Boxes of our parameters, read from the files (see ``common.materialize``)."""
+    names: frozenset[str]
+    """The parameters the files hold."""
+
+
+def read_policy_files(path: Union[str, os.PathLike]) -> PolicyFiles:
+    """Open a diffusers transformer directory (single file or sharded index) or one of our checkpoints lazily;
+    CheckpointError (one line) when names or shapes do not match what its config implies."""
+    if ckpt.is_policy_checkpoint(path):
+        meta, source = ckpt.read_policy_checkpoint(path)
+        family = get_family(meta["family"])
+        config = family.config_cls.from_diffusers_config(meta["config"])
+        lora = LoRAConfig.from_dict(meta["lora"]) if meta.get("lora") else None
+        return PolicyFiles(family, config, lora, source_boxes(source), frozenset(source.keys()))
+    hyper, source = ckpt.read_diffusers_dir(path)
+    family = family_for_diffusers_class(str(hyper.get("_class_name")))
+    config = family.config_cls.from_diffusers_config(hyper)
+    plan = family.diffusers_plan(config)
+    check_shapes({k: torch.empty(source.shape(k), device="meta") for k in source.keys()}, stored_shapes(plan),
+                 f"{family.name} diffusers")
+    return PolicyFiles(family, config, None, assembled_boxes(source, plan), frozenset(plan))
+
+
+def meta_policy(family: ModelFamily, config: Any, backend: str, dtype: torch.dtype,
+                lora: Optional[LoRAConfig] = None) -> torch.nn.Module:
+    """The policy built on the ``meta`` device (no memory), with ``lora`` adapters attached."""
+    with torch.device("meta"):
+        model = _instantiate(family, config, backend, dtype)
+        if lora is not None:
+            apply_lora(model, lora)
+    return model
+
+
+def full_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """FULL (TP-gathered) shape of every parameter; call before FSDP2 wrapping."""
+    return {name: tuple(full_shape(p)) for name, p in model.named_parameters()}
+
+
+def materialize(model: torch.nn.Module, device: Union[str, torch.device], *, seed: int,
+                files: Optional[PolicyFiles] = None, wrap: Optional[Callable[[torch.nn.Module], Any]] = None,
+                layout: Optional[Mapping[str, torch.Tensor]] = None) -> torch.nn.Module:
+    """Allocate a :func:`meta_policy` model's shards on ``device`` and fill them.
+
+    ``wrap(model)`` runs on the meta model first (FSDP2 sharding), so only this rank's shards are allocated.
+    Parameters in ``files`` are read from it box by box; the others (all without files, or adapters added on
+    top of a checkpoint) get their seeded init, identical at every layout.
+    """
+    from leangrpo_mcore.engine.checkpoint import capture_tp_layout
+
+    rules, shapes = init_rules(model), full_shapes(model)
+    layout = layout if layout is not None else capture_tp_layout(model)
+    if wrap is not None:
+        wrap(model)
+    # to_empty replaces meta parameters by new ones: carry their attributes (megatron's TP attributes, init
+    # rules; FSDP2's DTensor parameters keep only the TP attributes, as fsdp.apply_fsdp does).
+    attrs = {name: dict(vars(p)) for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        for attr, value in attrs.get(name, {}).items():
+            if not hasattr(param, attr):
+                setattr(param, attr, value)
+    random = random_boxes(rules, shapes, seed)
+    if files is None:
+        fill(model, layout, random)
+        return model
+    fill(model, layout, files.reader, only=set(files.names))
+    rest = {name for name, _ in model.named_parameters()} - set(files.names)
+    if rest:
+        fill(model, layout, random, only=rest)
+    return model
+
+
 def build_policy(model_config: Union[str, Mapping, Any], *, seed: int = 0, backend: str = "auto",
                  dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A randomly initialised policy; identical weights at every TP size for the same ``seed``."""
     family, config = resolve_model_config(model_config)
-    model = _instantiate(family, config, backend, dtype)
-    init_parameters(model, seed)
-    return model
+    return materialize(meta_policy(family, config, backend, dtype), "cpu", seed=seed)
 
 
 def _instantiate(family: ModelFamily, config: Any, backend: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -151,26 +233,19 @@ def _instantiate(family: ModelFamily, config: Any, backend: str, dtype: torch.dt
 
 def load_policy(path: Union[str, os.PathLike], *, backend: str = "auto",
                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load a diffusers transformer directory or one of our checkpoints, resharded to this TP size.
+    """Load a diffusers transformer directory or one of our checkpoints, resharded to this TP size, reading
+    only this rank's slices.
 
     Run-time switches are not part of the checkpoint: set ``model.config.activation_checkpointing``
     after loading (the forward reads it on every call).
     """
-    if ckpt.is_policy_checkpoint(path):
-        meta, source = ckpt.read_policy_checkpoint(path)
-        family = get_family(meta["family"])
-        model = _instantiate(family, family.config_cls.from_diffusers_config(meta["config"]), backend, dtype)
-        if meta.get("lora"):
-            apply_lora(model, LoRAConfig.from_dict(meta["lora"]))
-        ckpt.load_into(model, source)
-        return model
-    hyper, source = ckpt.read_diffusers_dir(path)
-    family = family_for_diffusers_class(str(hyper.get("_class_name")))
-    config = family.config_cls.from_diffusers_config(hyper)
-    model = _instantiate(family, config, backend, dtype)
-    converted = family.diffusers_to_mcore({key: source.get(key) for key in source.keys()}, config)
-    ckpt.load_into(model, ckpt.MemorySource(converted))
-    return model
+    files = read_policy_files(path)
+    model = meta_policy(files.family, files.config, backend, dtype, files.lora)
+    missing = sorted({name for name, _ in model.named_parameters()} - set(files.names))
+    if missing:
+        raise ckpt.CheckpointError(f"checkpoint {path} does not match the model: {len(missing)} missing (e.g. "
+                                   f"{missing[:2]})")
+    return materialize(model, "cpu", seed=0, files=files)
 
 
 def save_policy(model: torch.nn.Module, dst: Union[str, os.PathLike]) -> Optional[str]:

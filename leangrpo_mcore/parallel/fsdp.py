@@ -51,15 +51,23 @@ def apply_fsdp(
     *,
     param_dtype: str = "float32",
     reduce_dtype: str = "float32",
+    cast_only: bool = False,
 ) -> torch.nn.Module:
-    """Shard ``model`` in place over ``ctx.dp_mesh`` and return it; a no-op without data parallelism.
+    """Shard ``model`` in place over ``ctx.dp_mesh`` and return it; a no-op without data parallelism, except
+    with ``cast_only`` in a one-process world: FSDP2 over a one-rank mesh then only casts the master weights to
+    ``param_dtype`` for the forwards (and the gradients back), as it does at any data-parallel degree.
 
     ``model.blocks()`` gives the transformer blocks (each its own FSDP unit); the remaining parameters
     (embedders, final layer) form the root unit.
 
     The step engine sets the resharding of each step with :func:`set_gathered`.
     """
-    if ctx.dp_mesh is None:
+    mesh = ctx.dp_mesh
+    if mesh is None and cast_only and ctx.world_size == 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(ctx.device.type, (1,), mesh_dim_names=("dp_shard",))
+    if mesh is None:
         return model
     from torch.distributed.fsdp import fully_shard
 
@@ -68,8 +76,8 @@ def apply_fsdp(
     saved = _tp_attributes(model)
     mp_policy = mixed_precision_policy(param_dtype, reduce_dtype)
     for block in model.blocks():
-        fully_shard(block, mesh=ctx.dp_mesh, mp_policy=mp_policy, reshard_after_forward=True)
-    fully_shard(model, mesh=ctx.dp_mesh, mp_policy=mp_policy, reshard_after_forward=True)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)

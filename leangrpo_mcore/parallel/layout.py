@@ -214,13 +214,16 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def precision_from_config(config: Any) -> Precision:
-    """Bytes per tensor kind implied by ``model.dtype``, ``model.fp8`` and the FSDP2 mixed-precision policy."""
-    storage = _DTYPE_BYTES[config.model.dtype]
-    compute = min(storage, _DTYPE_BYTES[config.parallel.param_dtype])
-    # FSDP2 accumulates unsynchronised gradients in reduce_dtype when computing in a lower param_dtype.
-    buffer = _DTYPE_BYTES[config.parallel.reduce_dtype] if compute < storage else storage
+    """Bytes per tensor kind implied by ``model.dtype`` (compute), ``model.master_dtype``, ``model.fp8``,
+    ``parallel.reduce_dtype`` and ``schedule.provisional_dtype``."""
+    master = _DTYPE_BYTES[config.model.master_dtype or "float32"]
+    compute = _DTYPE_BYTES[config.model.dtype]
+    # The unsharded gradients wait in the provisional dtype (default: the reduce dtype, which is what FSDP2
+    # accumulates in whenever it casts the forwards).
+    provisional = config.schedule.provisional_dtype or config.parallel.reduce_dtype
+    buffer = _DTYPE_BYTES[provisional] if compute < master or config.schedule.provisional_dtype else master
     name = "fp8" if config.model.fp8 else ("fp32" if compute == 4 else "bf16")
-    return Precision(name, storage, compute, storage, buffer, matmul_speedup=2.0 if config.model.fp8 else 1.0)
+    return Precision(name, master, compute, master, buffer, matmul_speedup=2.0 if config.model.fp8 else 1.0)
 
 
 def selected_steps_of(config: Any) -> int:

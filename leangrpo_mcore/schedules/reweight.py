@@ -33,6 +33,7 @@ import torch
 from leangrpo_mcore.diffusion.sampler import StepRecord
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.parallel.grad_sync import LocalGrads, grads_add_
+from leangrpo_mcore.parallel.precision import torch_dtype
 from leangrpo_mcore.schedules.base import (
     GroupUpdate,
     Schedule,
@@ -68,6 +69,9 @@ class ReweightPlan:
     """Global std folded per group and scaled once at the end (clamp cannot fire)."""
     note: str = ""
     """Why a fallback happened (empty when none)."""
+    provisional_dtype: Optional[str] = None
+    """dtype the provisional gradients wait in (``float32`` / ``bfloat16``; None: as the backward leaves them).
+    They go back to the gradient slot's dtype for every further backward and for the reduction."""
 
 
 def plan_reweight(accumulate: str, *, advantage: str, group_size: int, prompts_per_step: int,
@@ -120,10 +124,22 @@ class ReweightSchedule(Schedule):
     def _backward_into(self, target: Optional[LocalGrads], loss: torch.Tensor, retain_graph: bool) -> LocalGrads:
         sync = self.ctx.grad_sync
         if target is not None:
-            sync.put_local(target)
+            sync.put_local(self._to_slot(target))
         with self.ctx.phase("backward"):
             sync.backward_local(loss, retain_graph=retain_graph)
-        return sync.take_local()
+        grads = sync.take_local()
+        self._slot_dtypes = [None if g is None else g.dtype for g in grads]
+        if self.plan.provisional_dtype is None:
+            return grads
+        dtype = torch_dtype(self.plan.provisional_dtype)
+        return [None if g is None else g.to(dtype) for g in grads]
+
+    def _to_slot(self, grads: LocalGrads) -> LocalGrads:
+        """``grads`` in the dtypes the gradient slot holds (undoing the provisional dtype)."""
+        dtypes = getattr(self, "_slot_dtypes", None)
+        if dtypes is None or self.plan.provisional_dtype is None:
+            return grads
+        return [g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes)]
 
     def _track_buffers(self) -> None:
         live = len(self._partial) + sum(2 for _ in self._affine) + (self._kl is not None) + (self._folded is not None)
@@ -240,7 +256,7 @@ class ReweightSchedule(Schedule):
             combined = self._kl if combined is None else grads_add_(combined, self._kl)
             self._kl = None
         if combined is not None:
-            self.ctx.grad_sync.reduce_local(combined)
+            self.ctx.grad_sync.reduce_local(self._to_slot(combined))
 
     def finish_update(self) -> UpdateStats:
         """Apply the global α to the folded sum, reduce what is left, publish the gradients."""

@@ -44,7 +44,7 @@ def _measure(rank, world_size):
         for schedule in SCHEDULES:
             cfg = load_config(path, [f"schedule.name={schedule}", "checkpoint.save_every=0"] + overrides)
             pctx = build.build_context(cfg, dist_ctx)
-            parts = build.build_policy_parts(cfg, pctx)
+            parts = build.build_policy_parts(cfg, pctx, build.precision_of(cfg, pctx))
             dcfg = parts.policy.config.to_diffusers_config()
             data = build.build_data_parts(cfg, parts.family, dcfg, dist_ctx.device)
             s = cfg.sampler

@@ -126,6 +126,17 @@ class TensorSource:
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
 
+    def get_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box of ``key`` at ``offsets`` of ``sizes``; reads only those bytes (memory-mapped)."""
+        view = self._slice(key)
+        if len(view.get_shape()) == 0:
+            return self.get(key)
+        index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        try:
+            return view[index]
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
+
     def get_shard(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of ``key`` for the parameter ``like``; reads only that slice."""
         if not is_tp_partitioned(like):
@@ -167,6 +178,13 @@ class MemorySource(TensorSource):
     def get_shard(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of ``key`` for the parameter ``like``."""
         return shard_tensor(self._tensors[key], like)
+
+    def get_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box of ``key`` at ``offsets`` of ``sizes``."""
+        tensor = self._tensors[key]
+        for dim, (start, size) in enumerate(zip(offsets, sizes)):
+            tensor = tensor.narrow(dim, start, size)
+        return tensor
 
 
 def is_policy_checkpoint(path: str | os.PathLike) -> bool:

@@ -80,6 +80,15 @@ class DCPSource(TensorSource):
         dcp_load(self.folder, {self.prefix + key: out})
         return out
 
+    def get_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box of ``key`` at ``offsets`` of ``sizes``; reads only the chunks that overlap it."""
+        if len(self.shape(key)) == 0:
+            return self.get(key)
+        out = torch.empty(sizes, dtype=self.dtype(key))
+        dcp_load(self.folder, {self.prefix + key: BlockTensor(tuple(self.shape(key)), [Block(tuple(offsets), out)],
+                                                              self.dtype(key))})
+        return out
+
     def get_shard(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of ``key`` for the parameter ``like``; reads only that slice."""
         if not is_tp_partitioned(like):

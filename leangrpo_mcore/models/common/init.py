@@ -64,6 +64,8 @@ def init_parameter(param: torch.Tensor, name: str, seed: int) -> None:
     fn = getattr(param, _INIT_ATTR, None)
     if fn is None:
         raise ValueError(f"parameter {name} has no init rule (use common.init.set_init)")
+    if param.is_meta:
+        return  # built on the meta device: filled after sharding (common.materialize)
     gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
     full = fn(full_shape(param), gen)
     param.copy_(shard_tensor(full, param).to(dtype=param.dtype))
