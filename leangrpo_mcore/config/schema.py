@@ -79,10 +79,14 @@ class GRPOConfig:
 
 @dataclass
 class RewardConfig:
-    """The reward function (a registry name, or a weighted sum of several)."""
+    """The reward function (a registry name, a plugin, or a weighted sum of several)."""
 
     name: str = "jpeg_compressibility"
-    """Registered reward name, or 'weighted' to combine the rewards in `weights`."""
+    """Registered reward name, 'weighted' to combine the rewards in `weights`, a plugin
+    package.module:callable (a function, or a class instantiated with `options`), or the name of an installed
+    entry point of the group leangrpo_mcore.rewards."""
+    options: dict[str, Any] = option(factory=dict)
+    """Keyword options of the reward: constructor arguments of a class, keyword arguments of a function."""
     weights: Optional[dict[str, float]] = None
     """For name 'weighted': {reward name: weight}."""
     normalize: bool = False
