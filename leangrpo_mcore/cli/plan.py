@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 from typing import Optional, Sequence
@@ -119,8 +120,21 @@ def _config_workload(args: argparse.Namespace, path: str) -> tuple[Workload, dic
     return work, fixed
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """UserError for a numeric flag that is negative, inf or nan (argparse's ``float`` accepts all three)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if not math.isfinite(value):
+            raise UserError(f"{flag} must be a finite number, got {value}")
+        if value < 0:
+            raise UserError(f"{flag} must be >= 0, got {value}")
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Hardware and workload from ``args``, then :func:`leangrpo_mcore.parallel.layout.plan`."""
+    check_numbers(args)
     hw = Hardware(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_bytes=int(args.gpu_mem_gb * GiB),
                   gpu_tflops=args.gpu_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
                   inter_node_gbps=args.inter_node_gbps, hbm_gbps=args.hbm_gbps,

@@ -90,6 +90,30 @@ def test_bad_overrides(override, message):
     assert str(err.value) == message
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=.inf", "'optim.lr' must be a finite number, got inf"),
+        ("optim.lr=nan", "'optim.lr' must be a finite number, got nan"),
+        ("grpo.kl_beta=-.inf", "'grpo.kl_beta' must be a finite number, got -inf"),
+        ("sampler.shift=1e999", "'sampler.shift' must be a finite number, got inf"),  # overflows to inf
+        ("optim.betas=[0.9, .nan]", "'optim.betas' must be a finite number, got nan"),
+        ("reward.weights={jpeg_compressibility: .inf}", "'reward.weights' must be a finite number, got inf"),
+    ],
+)
+def test_non_finite_floats_are_refused(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value) == f"command line: {message}"
+
+
+def test_non_finite_float_in_file(tmp_path):
+    path = _write(tmp_path / "x.yaml", "optim:\n  lr: .inf\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: 'optim.lr' must be a finite number, got inf$"):
+        load_config(path)
+    assert load_config(None, ["optim.lr=1e-5", "optim.betas=[0.5, 0.75]"]).optim.betas == [0.5, 0.75]
+
+
 def test_wrong_type_in_file(tmp_path):
     path = _write(tmp_path / "x.yaml", {"optim": {"lr": "fast"}})
     with pytest.raises(ConfigError, match=rf"^{path}: 'optim.lr' must be float, got str 'fast'$"):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from leangrpo_mcore.errors import MissingExtraError, require_extra
 from leangrpo_mcore.rl.rewards import (
     REWARDS,
     RewardError,
@@ -143,8 +144,13 @@ def test_quoted_text_and_levenshtein():
 
 def test_ocr_missing_package_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)
-    with pytest.raises(ImportError, match=r"pip install leangrpo_mcore\[ocr\]"):
+    with pytest.raises(MissingExtraError) as err:
         build_reward("ocr")
+    assert str(err.value) == "reward.name=ocr needs the 'ocr' extra: pip install 'leangrpo_mcore[ocr]'"
+    assert require_extra("json", "none", "x").dumps([1]) == "[1]"
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(MissingExtraError, match=r"^feature needs the 'text' extra: pip install 'leangrpo_mcore\[text\]'$"):
+        require_extra("transformers", "text", "feature")
 
 
 def _render(text):

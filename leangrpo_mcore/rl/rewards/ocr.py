@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from leangrpo_mcore.errors import require_extra
+
 from .base import images_to_uint8
 from .registry import register_reward
 
@@ -79,11 +81,8 @@ def ocr_text_score(recognised: str, target: str) -> float:
 
 
 def _load_engine(engine_options: Mapping[str, Any]) -> Any:
-    try:
-        from rapidocr_onnxruntime import RapidOCR
-    except ImportError:
-        raise ImportError("the 'ocr' reward needs rapidocr-onnxruntime: pip install leangrpo_mcore[ocr]") from None
-    return RapidOCR(**{**PADDLE_LIKE_ENGINE_OPTIONS, **engine_options})
+    rapidocr = require_extra("rapidocr_onnxruntime", "ocr", "reward.name=ocr")
+    return rapidocr.RapidOCR(**{**PADDLE_LIKE_ENGINE_OPTIONS, **engine_options})
 
 
 @register_reward("ocr")
