@@ -6,11 +6,24 @@ NVIDIA apex is detected at run time and is never a dependency (the PyPI package 
 unrelated project).
 """
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+
+def read_version() -> str:
+    """``__version__`` of ``leangrpo_mcore/__init__.py``, read as text (importing the package needs torch)."""
+    text = (Path(__file__).parent / "leangrpo_mcore" / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r'^__version__ = "([^"]+)"$', text, flags=re.MULTILINE)
+    if match is None:
+        raise RuntimeError("leangrpo_mcore/__init__.py defines no __version__")
+    return match.group(1)
+
 
 setup(
     name="leangrpo_mcore",
-    version="0.1.0",
+    version=read_version(),
     description="Recompute-free GRPO for diffusion policies (FLUX, Wan) on megatron-core and FSDP2",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

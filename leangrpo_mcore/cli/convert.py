@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.errors import UserError
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_diffusers.add_argument("--keep-lora", action="store_true",
                               help=f"keep adapters unmerged, written to {LORA_FILE}")
     to_diffusers.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")
-    return parser
+    return add_version_flag(parser)
 
 
 def _progress(keys: list[str], desc: str):

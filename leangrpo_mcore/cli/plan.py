@@ -15,7 +15,7 @@ import sys
 import textwrap
 from typing import Optional, Sequence
 
-from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, load_arch
 from leangrpo_mcore.parallel.workload import PRECISIONS, GiB, Hardware, Workload
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=float, default=default, help=f"{text} (default: {default})")
     p.add_argument("--top", type=int, default=0, help="table: show only the N best candidates (0 = all)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (every candidate)")
-    return p
+    return add_version_flag(p)
 
 
 def _resolution(text: Optional[str]) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.errors import UserError
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="YAML experiment config (see yaml_configs/); required")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
-    return parser
+    return add_version_flag(parser)
 
 
 def _main(argv: Sequence[str] | None) -> int:
