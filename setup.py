@@ -32,10 +32,14 @@ setup(
     packages=find_packages(include=["leangrpo_mcore", "leangrpo_mcore.*"]),
     include_package_data=True,
     package_data={"leangrpo_mcore": ["data/*.txt"]},
+    # Ranges are those the test suite has passed with (README, "Supported versions"). torch 2.8 is the first with
+    # FSDP2's set_force_sum_reduction_for_comms / set_gradient_divide_factor / set_reshard_after_forward; the
+    # upper bound guards the private torch.distributed.tensor._utils import. megatron-core 0.17+ needs
+    # Python >= 3.12 and is not tested yet.
     install_requires=[
-        "torch>=2.6",
-        "megatron-core>=0.16.1",
-        "diffusers>=0.32",
+        "torch>=2.8,<2.14",
+        "megatron-core>=0.16.1,<0.17",
+        "diffusers>=0.35.2,<0.43",
         "safetensors",
         "pyyaml",
         "numpy",
@@ -48,7 +52,7 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda120"],
-        "ocr": ["rapidocr-onnxruntime"],
+        "ocr": ["rapidocr>=3.10,<4", "onnxruntime"],
         "text": ["transformers"],
         "test": ["pytest>=7", "pytest-timeout", "transformers", "accelerate"],
     },

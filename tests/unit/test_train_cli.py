@@ -78,7 +78,7 @@ def test_missing_config_non_finite_floats_and_missing_extras(capsys, tmp_path, m
                            "--config", TINY_FLUX, out, "optim.lr=.inf")
     _assert_one_line_error(capsys, "command line: 'grpo.clip_range' must be a finite number, got nan",
                            "--config", TINY_FLUX, out, "grpo.clip_range=nan")
-    monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)  # as if the 'ocr' extra were not installed
+    monkeypatch.setitem(sys.modules, "rapidocr", None)  # as if the 'ocr' extra were not installed
     _assert_one_line_error(capsys, "reward.name=ocr needs the 'ocr' extra: pip install 'leangrpo_mcore[ocr]'",
                            "--config", TINY_FLUX, out, "reward.name=ocr")
     assert not (tmp_path / "run").exists()
