@@ -54,6 +54,7 @@ setup(
         "dali": ["nvidia-dali-cuda120"],
         "ocr": ["rapidocr>=3.10,<4", "onnxruntime"],
         "text": ["transformers"],
+        "wandb": ["wandb>=0.31,<1"],
         "test": ["pytest>=7", "pytest-timeout", "transformers", "accelerate"],
     },
     entry_points={

@@ -62,6 +62,17 @@ def config_to_yaml(config: Config) -> str:
     return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, default_flow_style=None)
 
 
+def section_type(tp: Any) -> type | None:
+    """The dataclass of a config section annotated ``Section`` or ``Optional[Section]``, else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if get_origin(tp) in (Union, types.UnionType):
+        members = [m for m in get_args(tp) if m is not type(None)]
+        if len(members) == 1 and dataclasses.is_dataclass(members[0]):
+            return members[0]
+    return None
+
+
 def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted key of a config class, sections included."""
     keys = []
@@ -69,8 +80,9 @@ def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         dotted = f"{prefix}{f.name}"
         keys.append(dotted)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys.extend(valid_keys(hints[f.name], dotted + "."))
+        section = section_type(hints[f.name])
+        if section is not None:
+            keys.extend(valid_keys(section, dotted + "."))
     return keys
 
 
@@ -175,8 +187,11 @@ def _build(cls: type, data: Any, prefix: str, sources: dict, default_source: str
         dotted = f"{prefix}{name}"
         source = sources.get(dotted, section_source)
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, dotted + ".", sources, source)
+        section = section_type(tp)
+        if section is not None:
+            optional = section is not tp
+            kwargs[name] = None if optional and value is None else _build(section, value, dotted + ".", sources,
+                                                                         source)
             continue
         try:
             coerced = coerce(value, tp)

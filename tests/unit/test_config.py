@@ -8,6 +8,7 @@ import yaml
 
 from leangrpo_mcore.config import Config, ConfigError, dump_config, load_config, valid_keys
 from leangrpo_mcore.config.fields import field_docs
+from leangrpo_mcore.config.loader import section_type
 
 
 def _write(path, data):
@@ -19,8 +20,9 @@ def _sections(cls=Config):
     hints = typing.get_type_hints(cls)
     yield cls
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from _sections(hints[f.name])
+        section = section_type(hints[f.name])
+        if section is not None:
+            yield from _sections(section)
 
 
 def test_every_field_has_a_docstring():
