@@ -6,11 +6,24 @@ NVIDIA apex is detected at run time and is never a dependency (the PyPI package 
 unrelated project).
 """
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+
+def read_version() -> str:
+    """``__version__`` of ``leangrpo_mcore/__init__.py``, read as text (importing the package needs torch)."""
+    text = (Path(__file__).parent / "leangrpo_mcore" / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r'^__version__ = "([^"]+)"$', text, flags=re.MULTILINE)
+    if match is None:
+        raise RuntimeError("leangrpo_mcore/__init__.py defines no __version__")
+    return match.group(1)
+
 
 setup(
     name="leangrpo_mcore",
-    version="0.1.0",
+    version=read_version(),
     description="Recompute-free GRPO for diffusion policies (FLUX, Wan) on megatron-core and FSDP2",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -19,10 +32,14 @@ setup(
     packages=find_packages(include=["leangrpo_mcore", "leangrpo_mcore.*"]),
     include_package_data=True,
     package_data={"leangrpo_mcore": ["data/*.txt"]},
+    # Ranges are those the test suite has passed with (README, "Supported versions"). torch 2.8 is the first with
+    # FSDP2's set_force_sum_reduction_for_comms / set_gradient_divide_factor / set_reshard_after_forward; the
+    # upper bound guards the private torch.distributed.tensor._utils import. megatron-core 0.17+ needs
+    # Python >= 3.12 and is not tested yet.
     install_requires=[
-        "torch>=2.6",
-        "megatron-core>=0.16.1",
-        "diffusers>=0.32",
+        "torch>=2.8,<2.14",
+        "megatron-core>=0.16.1,<0.17",
+        "diffusers>=0.35.2,<0.43",
         "safetensors",
         "pyyaml",
         "numpy",
@@ -37,8 +54,9 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "dali": ["nvidia-dali-cuda120"],
-        "ocr": ["rapidocr-onnxruntime"],
+        "ocr": ["rapidocr>=3.10,<4", "onnxruntime"],
         "text": ["transformers"],
+        "wandb": ["wandb>=0.31,<1"],
         "test": ["pytest>=7", "pytest-timeout", "transformers", "accelerate"],
     },
     entry_points={

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.errors import UserError
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check-parity", action="store_true",
                         help="one more untimed step per schedule: its gradient against Native's (cosine, rel. L2)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
-    return parser
+    return add_version_flag(parser)
 
 
 def _sweep_points(sweep: str | None) -> tuple[str | None, list[str]]:

@@ -1,14 +1,22 @@
-"""What every entry point shares: one-line errors with exit code 2, and rank-aware output."""
+"""What every entry point shares: one-line errors with exit code 2, ``--version``, and rank-aware output."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Callable, Sequence
 
+from leangrpo_mcore import __version__
 from leangrpo_mcore.errors import UserError
 
 EXIT_USER_ERROR = 2
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give ``parser`` a ``--version`` flag printing ``leangrpo_mcore <version>``; returns the parser."""
+    parser.add_argument("--version", action="version", version=f"leangrpo_mcore {__version__}")
+    return parser
 
 
 def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:

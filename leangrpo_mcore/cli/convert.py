@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.errors import UserError
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_diffusers.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                               help="dtype of the exported weights (default: as stored, e.g. the fp32 master "
                                    "weights of a training checkpoint)")
-    return parser
+    return add_version_flag(parser)
 
 
 def _progress(keys: list[str], desc: str):

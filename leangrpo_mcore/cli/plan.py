@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import textwrap
 from typing import Optional, Sequence
 
-from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, load_arch
 from leangrpo_mcore.parallel.workload import PRECISIONS, GiB, Hardware, Workload
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=float, default=default, help=f"{text} (default: {default})")
     p.add_argument("--top", type=int, default=0, help="table: show only the N best candidates (0 = all)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (every candidate)")
-    return p
+    return add_version_flag(p)
 
 
 def _resolution(text: Optional[str]) -> tuple[int, int]:
@@ -119,8 +120,21 @@ def _config_workload(args: argparse.Namespace, path: str) -> tuple[Workload, dic
     return work, fixed
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """UserError for a numeric flag that is negative, inf or nan (argparse's ``float`` accepts all three)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if not math.isfinite(value):
+            raise UserError(f"{flag} must be a finite number, got {value}")
+        if value < 0:
+            raise UserError(f"{flag} must be >= 0, got {value}")
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Hardware and workload from ``args``, then :func:`leangrpo_mcore.parallel.layout.plan`."""
+    check_numbers(args)
     hw = Hardware(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_bytes=int(args.gpu_mem_gb * GiB),
                   gpu_tflops=args.gpu_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
                   inter_node_gbps=args.inter_node_gbps, hbm_gbps=args.hbm_gbps,

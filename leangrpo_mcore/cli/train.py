@@ -11,8 +11,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from leangrpo_mcore.cli.common import run_main
+from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.config import load_config
+from leangrpo_mcore.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,13 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Multi-GPU / multi-node: torchrun --nproc-per-node N [--nnodes ...] -m leangrpo_mcore.train "
                "--config FILE [overrides]. Set LEANGRPO_TRACEBACK=1 to see the traceback of an input error.",
     )
-    parser.add_argument("--config", help="YAML experiment config (see yaml_configs/)")
+    parser.add_argument("--config", help="YAML experiment config (see yaml_configs/); required")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=5")
-    return parser
+    return add_version_flag(parser)
 
 
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    if args.config is None:
+        raise UserError("a config is required: leangrpo-train --config FILE [dotted.key=value ...] "
+                        "(examples in yaml_configs/)")
     config = load_config(args.config, args.overrides)
     from leangrpo_mcore.engine.launch import quiet_nonzero_ranks
 

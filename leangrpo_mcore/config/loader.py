@@ -3,7 +3,7 @@
 - ``defaults: [base.yaml, ...]`` inherits from other files (paths relative to the including file), applied in
   order, then the file's own keys on top (mappings merge, everything else replaces).
 - ``dotted.key=value`` overrides are parsed as YAML scalars / lists / null and coerced to the field's type.
-- Strict: an unknown key, a wrong type or an out-of-range value raises :class:`ConfigError`, whose one-line
+- Strict: an unknown key, a wrong type, a non-finite float or an out-of-range value raises :class:`ConfigError`, whose one-line
   message names the file (or ``command line``), the dotted key and, for unknown keys, the closest valid key.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -27,6 +28,10 @@ COMMAND_LINE = "command line"
 
 class ConfigError(UserError):
     """A bad config: the message is one line naming the source and the dotted key."""
+
+
+class NonFiniteError(TypeError):
+    """A float field holds inf or nan (no option of the config accepts them)."""
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -57,6 +62,17 @@ def config_to_yaml(config: Config) -> str:
     return yaml.safe_dump(dataclasses.asdict(config), sort_keys=False, default_flow_style=None)
 
 
+def section_type(tp: Any) -> type | None:
+    """The dataclass of a config section annotated ``Section`` or ``Optional[Section]``, else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if get_origin(tp) in (Union, types.UnionType):
+        members = [m for m in get_args(tp) if m is not type(None)]
+        if len(members) == 1 and dataclasses.is_dataclass(members[0]):
+            return members[0]
+    return None
+
+
 def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
     """Every dotted key of a config class, sections included."""
     keys = []
@@ -64,8 +80,9 @@ def valid_keys(cls: type = Config, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         dotted = f"{prefix}{f.name}"
         keys.append(dotted)
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys.extend(valid_keys(hints[f.name], dotted + "."))
+        section = section_type(hints[f.name])
+        if section is not None:
+            keys.extend(valid_keys(section, dotted + "."))
     return keys
 
 
@@ -170,8 +187,11 @@ def _build(cls: type, data: Any, prefix: str, sources: dict, default_source: str
         dotted = f"{prefix}{name}"
         source = sources.get(dotted, section_source)
         tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, dotted + ".", sources, source)
+        section = section_type(tp)
+        if section is not None:
+            optional = section is not tp
+            kwargs[name] = None if optional and value is None else _build(section, value, dotted + ".", sources,
+                                                                         source)
             continue
         try:
             coerced = coerce(value, tp)
@@ -207,11 +227,12 @@ def coerce(value: Any, tp: Any) -> Any:
         members = get_args(tp)
         if value is None and type(None) in members:
             return None
-        for member in members:
-            if member is type(None):
-                continue
+        real = [m for m in members if m is not type(None)]
+        for member in real:
             try:
                 return coerce(value, member)
+            except NonFiniteError:
+                raise  # say which number is wrong, not which types are allowed
             except TypeError:
                 continue
         raise TypeError(f"must be {' or '.join(_type_name(m) for m in members)}, got {_kind(value)}")
@@ -247,13 +268,18 @@ def _coerce_scalar(value: Any, tp: type) -> Any:
             except ValueError:
                 pass
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)  # PyYAML reads 1e-5 (no dot) as a string
+                number = float(value)  # PyYAML reads 1e-5 (no dot) as a string
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise NonFiniteError(f"must be a finite number, got {number}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -79,10 +79,14 @@ class GRPOConfig:
 
 @dataclass
 class RewardConfig:
-    """The reward function (a registry name, or a weighted sum of several)."""
+    """The reward function (a registry name, a plugin, or a weighted sum of several)."""
 
     name: str = "jpeg_compressibility"
-    """Registered reward name, or 'weighted' to combine the rewards in `weights`."""
+    """Registered reward name, 'weighted' to combine the rewards in `weights`, a plugin
+    package.module:callable (a function, or a class instantiated with `options`), or the name of an installed
+    entry point of the group leangrpo_mcore.rewards."""
+    options: dict[str, Any] = option(factory=dict)
+    """Keyword options of the reward: constructor arguments of a class, keyword arguments of a function."""
     weights: Optional[dict[str, float]] = None
     """For name 'weighted': {reward name: weight}."""
     normalize: bool = False
@@ -251,6 +255,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging (the ``wandb`` extra): the TensorBoard scalars and the sample grids."""
+
+    project: Optional[str] = None
+    """wandb project (null: WANDB_PROJECT, else wandb's default)."""
+    entity: Optional[str] = None
+    """wandb team or user (null: WANDB_ENTITY, else your default entity)."""
+    mode: str = option("online", choices=("online", "offline", "disabled"))
+    """online (sync as it runs), offline (files only, no network; `wandb sync` later) or disabled (no wandb)."""
+
+
+@dataclass
 class LoggingConfig:
     """Metrics, samples and progress output."""
 
@@ -262,6 +278,9 @@ class LoggingConfig:
     """Show a progress bar on rank 0."""
     measure_memory: Optional[bool] = None
     """Measure each step's peak tensor memory (null: on CUDA only; on CPU the meter slows the step down)."""
+    wandb: Optional[WandbConfig] = None
+    """Weights & Biases logging, e.g. {project: my-project, mode: offline}; null (the default) = off. The run id is
+    kept in output_dir/wandb_run_id, so that a resumed run continues the same wandb run."""
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from leangrpo_mcore.data.conditioning import T5_MAX_LENGTH, TextDims, TextEncoder
-from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.errors import UserError, require_extra
 
 CLIP_MAX_LENGTH = 77
 _SUBFOLDERS = {
@@ -87,6 +87,7 @@ class DiffusersTextEncoder(TextEncoder):
         for name in _SUBFOLDERS[family]:
             if not (self.root / name).is_dir():
                 raise UserError(f"{self.root} has no '{name}' folder (expected a diffusers {family} pipeline)")
+        require_extra("transformers", "text", "model.text_encoder=diffusers")
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.tokenizer = self._load_tokenizer("tokenizer")

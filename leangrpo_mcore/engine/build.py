@@ -181,19 +181,22 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
 
 
 def _reward(config: Config) -> ValidatedReward:
-    from leangrpo_mcore.rl.rewards import remote  # noqa: F401 -- registers the 'remote' reward
-
+    """The configured reward, built (and a plugin imported) now, so that a bad name or option fails at start."""
     r = config.reward
+    dedicated: dict = {}
     if r.name == "weighted":
         if not r.weights:
             raise UserError("reward.name=weighted needs reward.weights ({reward name: weight})")
-        return build_reward("weighted", weights=r.weights, normalize=r.normalize)
-    if r.name == "remote":
+        dedicated = {"weights": r.weights, "normalize": r.normalize}
+    elif r.name == "remote":
         if not r.url:
             raise UserError("reward.name=remote needs reward.url")
-        return build_reward("remote", url=r.url, timeout_s=r.timeout_s, retries=r.retries,
-                            max_response_bytes=r.max_response_bytes, auth_env=r.auth_env, ca_bundle=r.ca_bundle)
-    return build_reward(r.name)
+        dedicated = {"url": r.url, "timeout_s": r.timeout_s, "retries": r.retries,
+                     "max_response_bytes": r.max_response_bytes, "auth_env": r.auth_env, "ca_bundle": r.ca_bundle}
+    twice = sorted(set(dedicated) & set(r.options))
+    if twice:
+        raise UserError(f"reward.options.{twice[0]} repeats reward.{twice[0]}: set it in one place")
+    return build_reward(r.name, **dedicated, **r.options)
 
 
 def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict, device: torch.device) -> DataParts:

@@ -1,4 +1,5 @@
-"""Per-step metrics: one flat JSON object per step into ``metrics.jsonl``, TensorBoard scalars, a progress bar.
+"""Per-step metrics: one flat JSON object per step into ``metrics.jsonl``, TensorBoard scalars (and wandb's, see
+:mod:`leangrpo_mcore.engine.wandb_log`), a progress bar.
 
 Only rank 0 writes. Rows are flushed line by line, so a killed run leaves at most one torn last line (which
 :func:`~leangrpo_mcore.engine.run_dir.read_metrics` ignores). NaN/inf values are written as the strings
@@ -10,9 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from leangrpo_mcore.engine.wandb_log import WandbRun
 
 Scalar = float | int
 
@@ -36,10 +40,12 @@ class MetricsLogger:
     """Writes metric rows (rank 0 only; on other ranks every method is a no-op)."""
 
     def __init__(self, metrics_path: str, tensorboard_dir: Optional[str], *, enabled: bool,
-                 purge_step: Optional[int] = None) -> None:
+                 purge_step: Optional[int] = None, wandb: Optional[WandbRun] = None) -> None:
+        """``wandb``: an open wandb run that receives the same scalars and images (closed by :meth:`close`)."""
         self.enabled = enabled
         self._file = None
         self._writer = None
+        self._wandb = wandb if enabled else None
         if not enabled:
             return
         self._file = open(metrics_path, "a", encoding="utf-8")
@@ -51,7 +57,7 @@ class MetricsLogger:
             self._writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=purge_step)
 
     def log(self, step: int, row: Mapping[str, Scalar]) -> None:
-        """Append ``{"step": step, **row}`` to metrics.jsonl and every number to TensorBoard."""
+        """Append ``{"step": step, **row}`` to metrics.jsonl and every finite number to TensorBoard and wandb."""
         if not self.enabled:
             return
         record = {"step": int(step), **{k: _json_number(v) for k, v in row.items() if k != "step"}}
@@ -61,11 +67,15 @@ class MetricsLogger:
             for key, value in row.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._writer.add_scalar(key.replace(".", "/"), value, global_step=step)
+        if self._wandb is not None:
+            self._wandb.log(step, row)
 
     def add_image(self, tag: str, image_hwc_uint8: Any, step: int) -> None:
-        """Log an (H, W, 3) uint8 image to TensorBoard."""
+        """Log an (H, W, 3) uint8 image to TensorBoard and wandb."""
         if self._writer is not None:
             self._writer.add_image(tag, image_hwc_uint8, global_step=step, dataformats="HWC")
+        if self._wandb is not None:
+            self._wandb.log_image(tag, image_hwc_uint8, step)
 
     def close(self) -> None:
         """Flush and close the files."""
@@ -75,6 +85,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
 
 class ProgressBar:

@@ -8,6 +8,7 @@ Layout::
       checkpoints/step_<N>/  complete checkpoints (``step_<N>.tmp-*`` are unfinished writes, never resumed)
       samples/step_<N>.png   image grids captioned with prompt and reward
       tensorboard/           event files
+      wandb_run_id, wandb/   the wandb run's id and files (with logging.wandb; WANDB_DIR moves the files)
 
 A fresh run (``checkpoint.resume: null``) refuses a directory that already holds checkpoints or metrics, before
 anything is written (``train.overwrite: true`` deletes them instead). A resumed run drops the metrics rows past the checkpoint's step, so ``metrics.jsonl`` reads exactly as if

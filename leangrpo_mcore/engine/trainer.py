@@ -37,6 +37,7 @@ from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_sta
 from leangrpo_mcore.engine.run_dir import RunDir, check_fresh_run, prepare, read_metrics
 from leangrpo_mcore.engine.samples import save_grid, to_uint8
 from leangrpo_mcore.engine.step import StepInputs, StepResult
+from leangrpo_mcore.engine.wandb_log import open_wandb
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.mesh import destroy_parallel_context
 from leangrpo_mcore.rl.rewards import RewardError
@@ -162,9 +163,10 @@ class Trainer:
         self.config_yaml = config_to_yaml(config)
         first_error(prepare, self.run_dir, self.config_yaml, resume_step=self.state.step or None)
         enabled = dist_ctx.is_main
+        wandb = open_wandb(config, self.run_dir.root, resumed=self.resume_path is not None, enabled=enabled)
         self.metrics = MetricsLogger(self.run_dir.metrics_path,
                                      self.run_dir.tensorboard_dir if config.logging.tensorboard else None,
-                                     enabled=enabled, purge_step=self.state.step + 1)
+                                     enabled=enabled, purge_step=self.state.step + 1, wandb=wandb)
         self.progress = ProgressBar(config.train.max_steps, self.state.step,
                                     enabled=enabled and config.logging.progress_bar)
 

@@ -8,6 +8,7 @@ import yaml
 
 from leangrpo_mcore.config import Config, ConfigError, dump_config, load_config, valid_keys
 from leangrpo_mcore.config.fields import field_docs
+from leangrpo_mcore.config.loader import section_type
 
 
 def _write(path, data):
@@ -19,8 +20,9 @@ def _sections(cls=Config):
     hints = typing.get_type_hints(cls)
     yield cls
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            yield from _sections(hints[f.name])
+        section = section_type(hints[f.name])
+        if section is not None:
+            yield from _sections(section)
 
 
 def test_every_field_has_a_docstring():
@@ -88,6 +90,30 @@ def test_bad_overrides(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optim.lr=.inf", "'optim.lr' must be a finite number, got inf"),
+        ("optim.lr=nan", "'optim.lr' must be a finite number, got nan"),
+        ("grpo.kl_beta=-.inf", "'grpo.kl_beta' must be a finite number, got -inf"),
+        ("sampler.shift=1e999", "'sampler.shift' must be a finite number, got inf"),  # overflows to inf
+        ("optim.betas=[0.9, .nan]", "'optim.betas' must be a finite number, got nan"),
+        ("reward.weights={jpeg_compressibility: .inf}", "'reward.weights' must be a finite number, got inf"),
+    ],
+)
+def test_non_finite_floats_are_refused(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value) == f"command line: {message}"
+
+
+def test_non_finite_float_in_file(tmp_path):
+    path = _write(tmp_path / "x.yaml", "optim:\n  lr: .inf\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: 'optim.lr' must be a finite number, got inf$"):
+        load_config(path)
+    assert load_config(None, ["optim.lr=1e-5", "optim.betas=[0.5, 0.75]"]).optim.betas == [0.5, 0.75]
 
 
 def test_wrong_type_in_file(tmp_path):

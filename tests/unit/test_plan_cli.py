@@ -74,6 +74,14 @@ def test_refusal_exits_1_and_still_prints(capsys):
     (["--config", "yaml_configs/tiny/flux.yaml", *HW, "--frames", "5"], "--frames cannot be combined"),
     (["--config", "missing.yaml", *HW], "config file not found"),
     (["--model", "flux-dev", "--gpus-per-node", "0", "--gpu-mem-gb", "80"], "gpus per node >= 1"),
+    (["--model", "flux-dev", *HW, "--efficiency", "nan"], "--efficiency must be a finite number, got nan"),
+    (["--model", "flux-dev", *HW, "--gpu-tflops", "inf"], "--gpu-tflops must be a finite number, got inf"),
+    (["--model", "flux-dev", "--gpus-per-node", "8", "--gpu-mem-gb=-inf"], "--gpu-mem-gb must be a finite number"),
+    (["--model", "flux-dev", *HW, "--kl-beta", "nan"], "--kl-beta must be a finite number, got nan"),
+    (["--model", "flux-dev", *HW, "--overhead-gb", "-1"], "--overhead-gb must be >= 0, got -1.0"),
+    (["--model", "flux-dev", *HW, "--reward-mem-gb", "-0.5"], "--reward-mem-gb must be >= 0, got -0.5"),
+    (["--model", "flux-dev", *HW, "--top", "-3"], "--top must be >= 0, got -3"),
+    (["--config", "yaml_configs/tiny/flux.yaml", *HW, "optim.lr=nan"], "'optim.lr' must be a finite number"),
 ])
 def test_errors_are_one_line_exit_2(capsys, monkeypatch, argv, message):
     monkeypatch.chdir(ROOT)

@@ -10,23 +10,20 @@ from leangrpo_mcore.config import load_config
 from leangrpo_mcore.models import build_policy
 from leangrpo_mcore.parallel.layout import precision_from_config
 from leangrpo_mcore.parallel.precision import run_precision
-from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 from tests.ckpt_helpers import model_tensors, stored_tensors
 from tests.unit.test_train_cli import TINY_FLUX
 
-if "contrast_for_tests" not in REWARDS:
-    @register_reward("contrast_for_tests")
-    def _contrast(images, prompts):
-        """Pixel contrast: smooth in the pixels and spread enough over a group that bf16 rounding of the
-        rollout does not reorder the generations."""
-        return images.std(dim=(1, 2, 3)) * 10
+def contrast(images, prompts):
+    """Pixel contrast (a reward plugin): smooth in the pixels and spread enough over a group that bf16 rounding
+    of the rollout does not reorder the generations."""
+    return images.std(dim=(1, 2, 3)) * 10
 
 
 def _update(tmp_path, name, *overrides):
     """(update of every weight after 3 steps, dtypes of weights and optimizer state) of a tiny FLUX run."""
     run = tmp_path / name
     assert main(["--config", TINY_FLUX, f"train.output_dir={run}", "train.max_steps=3", "logging.progress_bar=false",
-                 "logging.tensorboard=false", "reward.name=contrast_for_tests", *overrides]) == 0
+                 "logging.tensorboard=false", "reward.name=tests.unit.test_precision:contrast", *overrides]) == 0
     init = dict(build_policy({"family": "flux", "preset": "flux-tiny"}, seed=0, backend="local").named_parameters())
     weights = model_tensors(run / "checkpoints" / "step_3")
     optim = stored_tensors(run / "checkpoints" / "step_3", "optim/")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from leangrpo_mcore.errors import MissingExtraError, require_extra
 from leangrpo_mcore.rl.rewards import (
     REWARDS,
     RewardError,
@@ -19,7 +20,7 @@ from leangrpo_mcore.rl.rewards import (
     register_reward,
 )
 
-HAS_RAPIDOCR = importlib.util.find_spec("rapidocr_onnxruntime") is not None
+HAS_RAPIDOCR = all(importlib.util.find_spec(name) is not None for name in ("rapidocr", "onnxruntime"))
 
 
 def _smooth_and_noisy(size=64):
@@ -142,9 +143,14 @@ def test_quoted_text_and_levenshtein():
 
 
 def test_ocr_missing_package_message(monkeypatch):
-    monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)
-    with pytest.raises(ImportError, match=r"pip install leangrpo_mcore\[ocr\]"):
+    monkeypatch.setitem(sys.modules, "rapidocr", None)
+    with pytest.raises(MissingExtraError) as err:
         build_reward("ocr")
+    assert str(err.value) == "reward.name=ocr needs the 'ocr' extra: pip install 'leangrpo_mcore[ocr]'"
+    assert require_extra("json", "none", "x").dumps([1]) == "[1]"
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(MissingExtraError, match=r"^feature needs the 'text' extra: pip install 'leangrpo_mcore\[text\]'$"):
+        require_extra("transformers", "text", "feature")
 
 
 def _render(text):
@@ -154,7 +160,7 @@ def _render(text):
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255
 
 
-@pytest.mark.skipif(not HAS_RAPIDOCR, reason="rapidocr-onnxruntime (the 'ocr' extra) is not installed")
+@pytest.mark.skipif(not HAS_RAPIDOCR, reason="rapidocr and onnxruntime (the 'ocr' extra) are not installed")
 def test_ocr_reads_rendered_text():
     reward = build_reward("ocr")
     text = _render("Hello World")

@@ -7,6 +7,7 @@ costs well under a second once the imports are paid.
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,19 @@ def test_config_errors(capsys, tmp_path):
                            "--config", TINY_FLUX, out, "train.max_stepz=3")
     _assert_one_line_error(capsys, "'train.max_steps' must be int", "--config", TINY_FLUX, out, "train.max_steps=abc")
     _assert_one_line_error(capsys, "config file not found", "--config", str(tmp_path / "missing.yaml"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_config_non_finite_floats_and_missing_extras(capsys, tmp_path, monkeypatch):
+    out = f"train.output_dir={tmp_path / 'run'}"
+    _assert_one_line_error(capsys, "a config is required: leangrpo-train --config FILE", out)
+    _assert_one_line_error(capsys, "command line: 'optim.lr' must be a finite number, got inf",
+                           "--config", TINY_FLUX, out, "optim.lr=.inf")
+    _assert_one_line_error(capsys, "command line: 'grpo.clip_range' must be a finite number, got nan",
+                           "--config", TINY_FLUX, out, "grpo.clip_range=nan")
+    monkeypatch.setitem(sys.modules, "rapidocr", None)  # as if the 'ocr' extra were not installed
+    _assert_one_line_error(capsys, "reward.name=ocr needs the 'ocr' extra: pip install 'leangrpo_mcore[ocr]'",
+                           "--config", TINY_FLUX, out, "reward.name=ocr")
     assert not (tmp_path / "run").exists()
 
 

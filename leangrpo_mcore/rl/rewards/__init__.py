@@ -3,6 +3,7 @@
 ``build_reward(name, **options)`` returns a ``ValidatedReward``; ``available_rewards()`` lists the names.
 Registered here: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``ocr`` (FlowGRPO-style,
 needs the ``ocr`` extra), ``weighted`` (a weighted sum of the others) and ``remote`` (an HTTP reward server).
+Rewards outside the package: ``package.module:callable`` or an installed entry point (:mod:`.plugins`).
 """
 
 from . import jpeg, ocr, remote, weighted  # noqa: F401 -- importing registers the rewards

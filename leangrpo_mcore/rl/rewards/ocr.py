@@ -1,4 +1,4 @@
-"""OCR text-rendering reward in FlowGRPO's form (``flow_grpo/ocr.py``), read with rapidocr-onnxruntime.
+"""OCR text-rendering reward in FlowGRPO's form (``flow_grpo/ocr.py``), read with rapidocr 3.x on onnxruntime.
 
 Per image: the target is the text quoted in the prompt; the recognised text is the concatenation of
 every detected line (top to bottom) with confidence > ``min_score``. Both are lower-cased and have their
@@ -13,7 +13,8 @@ without a double quote; here the first "..." span is used, else the first '...' 
 not apostrophes inside words, and a prompt with neither is a ValueError (``missing_target="error"``,
 the default: an OCR data set without targets is a bug) or reward 0 (``missing_target="zero"``).
 FlowGRPO turns an OCR engine exception into reward 0 with a print; here it becomes a RewardError.
-PaddleOCR (FlowGRPO) and rapidocr run the same PP-OCR model family, so scores are close, not equal.
+PaddleOCR (FlowGRPO) and rapidocr run the same PP-OCR model family, so scores are close, not equal. The
+detection and recognition models ship inside the rapidocr wheel (PP-OCRv6 small in 3.10): nothing is downloaded.
 """
 
 import re
@@ -23,14 +24,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from leangrpo_mcore.errors import require_extra
+
 from .base import images_to_uint8
 from .registry import register_reward
 
 # rapidocr defaults differ from the PaddleOCR 2.x defaults FlowGRPO ran with: it drops lines with a
 # confidence under 0.5 (FlowGRPO keeps every line with confidence > 0) and upsamples the shorter side
 # to 736 px before detection (PaddleOCR only downsamples the longer side to 960 px, which is also
-# ~10x cheaper on small images). These options restore PaddleOCR's behaviour.
-PADDLE_LIKE_ENGINE_OPTIONS = {"text_score": 0.0, "det_limit_type": "max", "det_limit_side_len": 960}
+# ~10x cheaper on small images). These options (rapidocr's dotted config keys) restore PaddleOCR's
+# behaviour; the log level keeps rapidocr from warning about every image without text.
+PADDLE_LIKE_ENGINE_OPTIONS = {"Global.text_score": 0.0, "Det.limit_type": "max", "Det.limit_side_len": 960,
+                              "Global.log_level": "error"}
 
 _DOUBLE_QUOTED = re.compile(r'"([^"]*)"')
 # A single-quoted span must open after a non-word character and close before one, so that the
@@ -79,16 +84,14 @@ def ocr_text_score(recognised: str, target: str) -> float:
 
 
 def _load_engine(engine_options: Mapping[str, Any]) -> Any:
-    try:
-        from rapidocr_onnxruntime import RapidOCR
-    except ImportError:
-        raise ImportError("the 'ocr' reward needs rapidocr-onnxruntime: pip install leangrpo_mcore[ocr]") from None
-    return RapidOCR(**{**PADDLE_LIKE_ENGINE_OPTIONS, **engine_options})
+    rapidocr = require_extra("rapidocr", "ocr", "reward.name=ocr")
+    require_extra("onnxruntime", "ocr", "reward.name=ocr")
+    return rapidocr.RapidOCR(params={**PADDLE_LIKE_ENGINE_OPTIONS, **engine_options})
 
 
 @register_reward("ocr")
 class OcrReward:
-    """FlowGRPO's OCR reward (module doc) with a rapidocr-onnxruntime engine on the CPU."""
+    """FlowGRPO's OCR reward (module doc) with a rapidocr engine (onnxruntime) on the CPU."""
 
     def __init__(
         self,
@@ -98,8 +101,8 @@ class OcrReward:
         engine_options: Optional[Mapping[str, Any]] = None,
     ) -> None:
         """``missing_target``: "error" or "zero" for prompts without quoted text; ``min_score``: keep
-        detections with confidence strictly above it (FlowGRPO: 0); ``engine_options``: RapidOCR kwargs
-        overriding ``PADDLE_LIKE_ENGINE_OPTIONS``."""
+        detections with confidence strictly above it (FlowGRPO: 0); ``engine_options``: RapidOCR ``params``
+        (dotted config keys such as ``"Det.limit_side_len"``) overriding ``PADDLE_LIKE_ENGINE_OPTIONS``."""
         if missing_target not in ("error", "zero"):
             raise ValueError(f"missing_target must be 'error' or 'zero', got {missing_target!r}")
         self.missing_target = missing_target
@@ -109,10 +112,11 @@ class OcrReward:
     def recognise(self, pixels: np.ndarray) -> str:
         """Text read from one (H, W, 3) uint8 RGB image: its lines concatenated, top to bottom."""
         # rapidocr treats numpy input as BGR (OpenCV order).
-        result, _ = self.engine(np.ascontiguousarray(pixels[..., ::-1]), use_det=True, use_cls=False, use_rec=True)
-        if not result:
+        result = self.engine(np.ascontiguousarray(pixels[..., ::-1]), use_det=True, use_cls=False, use_rec=True)
+        if not result.txts:
             return ""
-        return "".join(text for _box, text, score in result if float(score) > self.min_score)
+        return "".join(text for text, score in zip(result.txts, result.scores, strict=True)
+                       if float(score) > self.min_score)
 
     def __call__(self, images: Tensor, prompts: List[str]) -> Tensor:
         """OCR rewards (B,) float32 of images (B, 3, H, W) in [0, 1] against their prompts' quoted text."""

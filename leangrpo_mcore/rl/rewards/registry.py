@@ -8,13 +8,18 @@ A new reward is one decorated function or class::
 
 A registered *function* is the reward itself; ``build_reward`` binds its keyword options. A registered
 *class* is a factory: ``build_reward`` instantiates it with the options (for rewards holding a model).
+Rewards outside the package are named ``package.module:callable`` or installed as entry points (see
+:mod:`leangrpo_mcore.rl.rewards.plugins`) and follow the same contract.
 """
 
 import functools
 import inspect
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
-from .base import RewardFn, ValidatedReward
+from leangrpo_mcore.errors import UserError
+
+from .base import ValidatedReward
+from .plugins import entry_point_names, load_plugin
 
 REWARDS: Dict[str, Callable[..., Any]] = {}
 
@@ -36,22 +41,68 @@ def available_rewards() -> List[str]:
     return sorted(REWARDS)
 
 
-def build_reward(name: str, **options: Any) -> ValidatedReward:
-    """Build reward ``name`` with its keyword ``options``, wrapped in a ``ValidatedReward``."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward '{name}'; valid: {', '.join(available_rewards())}")
-    obj = REWARDS[name]
-    signature = inspect.signature(obj)
+def _signature(obj: Any) -> Optional[inspect.Signature]:
     try:
-        if inspect.isclass(obj):
-            signature.bind(**options)
-        else:
-            signature.bind(None, None, **options)
+        return inspect.signature(obj)
+    except (TypeError, ValueError):  # some C callables have no introspectable signature
+        return None
+
+
+def _check_call(name: str, fn: Any, options: Dict[str, Any]) -> None:
+    """UserError unless ``fn(images, prompts, **options)`` binds."""
+    signature = _signature(fn)
+    if signature is None:
+        return
+    try:
+        signature.bind_partial(None, None)
+    except TypeError:
+        raise UserError(f"reward '{name}' must be callable as (images, prompts); its signature is "
+                        f"{signature}") from None
+    try:
+        signature.bind(None, None, **options)
     except TypeError as exc:
-        raise ValueError(f"reward '{name}': bad options {sorted(options)}: {exc}") from None
-    fn: RewardFn
-    if inspect.isclass(obj):
+        raise UserError(f"reward '{name}': bad options {sorted(options)}: {exc}") from None
+
+
+def _resolve(name: str) -> Callable[..., Any]:
+    obj = REWARDS.get(name)
+    if obj is None:
+        obj = load_plugin(name)
+    if obj is None:
+        installed = entry_point_names()
+        extra = f"; installed plugins: {', '.join(installed)}" if installed else ""
+        raise UserError(f"unknown reward '{name}'; valid: {', '.join(available_rewards())}{extra}, "
+                        "or package.module:callable")
+    return obj
+
+
+def build_reward(name: str, **options: Any) -> ValidatedReward:
+    """Build reward ``name`` with its keyword ``options``, wrapped in a ``ValidatedReward``.
+
+    ``name`` is a registered reward, a ``package.module:callable`` spec or an installed entry point
+    (:mod:`~leangrpo_mcore.rl.rewards.plugins`). A function takes ``options`` as keyword arguments, a class as
+    constructor arguments; options the callable does not take, a signature that cannot take
+    ``(images, prompts)``, or an import that fails is a one-line :class:`~leangrpo_mcore.errors.UserError`.
+    """
+    obj = _resolve(name)
+    builtin = name in REWARDS
+    if not inspect.isclass(obj):
+        _check_call(name, obj, options)
+        return ValidatedReward(name, functools.partial(obj, **options) if options else obj)
+    signature = _signature(obj)
+    if signature is not None:
+        try:
+            signature.bind(**options)
+        except TypeError as exc:
+            raise UserError(f"reward '{name}': bad options {sorted(options)}: {exc}") from None
+    try:
         fn = obj(**options)
-    else:
-        fn = functools.partial(obj, **options) if options else obj
+    except Exception as exc:  # noqa: BLE001 -- a failing plugin constructor is one line
+        if builtin or isinstance(exc, UserError):
+            raise
+        raise UserError(f"reward '{name}': {obj.__name__}(...) raised {type(exc).__name__}: "
+                        f"{' '.join(str(exc).split())}") from None
+    if not callable(fn):
+        raise UserError(f"reward '{name}': instances of {obj.__name__} are not callable (define __call__)")
+    _check_call(name, fn, {})
     return ValidatedReward(name, fn)
