@@ -127,15 +127,20 @@ class TensorSource:
             raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
 
     def get_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
-        """The box of ``key`` at ``offsets`` of ``sizes``; reads only those bytes (memory-mapped)."""
-        view = self._slice(key)
-        if len(view.get_shape()) == 0:
-            return self.get(key)
-        index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        """The box of ``key`` at ``offsets`` of ``sizes``, read with positioned reads of only its rows (no memory
+        map, so the file's pages never count against this process; see ``safetensors_io``)."""
+        from leangrpo_mcore.models.common import safetensors_io
+
+        if key not in self._key_to_file:
+            raise CheckpointError(f"tensor {key!r} is not in the checkpoint")
+        path = self._key_to_file[key]
+        headers = self.__dict__.setdefault("_headers", {})
         try:
-            return view[index]
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
+            if path not in headers:
+                headers[path] = safetensors_io.read_header(path)
+            return safetensors_io.read_box(path, headers[path][key], tuple(offsets), tuple(sizes))
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"cannot read {key!r} from {path} ({_one_line(exc)})") from None
 
     def get_shard(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """This TP rank's slice of ``key`` for the parameter ``like``; reads only that slice."""
