@@ -75,3 +75,12 @@ def test_resume_at_tp2(reference, tmp_path):
     run = _resumed_copy(reference, tmp_path / "tp2")
     _torchrun(run, "parallel.tp=2", f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
     _check(reference, run)
+
+
+def test_hsdp_checkpoint_resumes_at_world_size_1(tmp_path):
+    reference = tmp_path / "hsdp"
+    _torchrun(reference, "parallel.dp_replicate=2", "parallel.dp_shard=1")  # replicas: each box written once
+    run = _resumed_copy(reference, tmp_path / "ws1")
+    assert train_main(["--config", TINY_FLUX, f"train.output_dir={run}", *COMMON,
+                       f"checkpoint.resume={run / 'checkpoints' / 'step_2'}"]) == 0
+    _check(reference, run)

@@ -201,3 +201,44 @@ def test_launch_scripts_parse_and_demand_their_environment(tmp_path):
     assert done.returncode == 2 and "usage:" in done.stderr
     text = "".join(script.read_text() for script in scripts)
     assert "MASTER_ADDR" in text and "127.0.0.1" not in text and "localhost" not in text
+
+
+def test_resume_failure_paths_from_the_command_line(capsys, tmp_path):
+    run = tmp_path / "run"
+    out = f"train.output_dir={run}"
+    code, errors, err = _run(capsys, "--config", TINY_FLUX, out, "train.max_steps=2", "checkpoint.save_every=1")
+    assert code == 0 and not errors, err
+    # A crashed save and a torn atomic write are removed before anything new is written.
+    (run / "checkpoints" / "step_3.tmp-crashed").mkdir()
+    (run / "config.yaml.tmp-999").write_text("half")
+    # The newest checkpoint is damaged: auto resumes from the previous one with a warning ...
+    distcp = run / "checkpoints" / "step_2" / "dcp" / "__0_0.distcp"
+    distcp.write_bytes(distcp.read_bytes()[:100])
+    code, errors, err = _run(capsys, "--config", TINY_FLUX, out, "train.max_steps=2", "checkpoint.save_every=1",
+                             "checkpoint.resume=auto", "checkpoint.keep_last=1")
+    assert code == 0 and not errors, err
+    assert "is damaged (dcp/__0_0.distcp has 100 bytes" in err and "resumed from" in err
+    assert not (run / "checkpoints" / "step_3.tmp-crashed").exists() and not (run / "config.yaml.tmp-999").exists()
+    names = sorted(os.listdir(run / "checkpoints"))
+    assert names[0] == "step_2" and names[1].startswith("step_2.damaged-") and len(names) == 2
+    # ... and an explicit path that fails verification is one line, exit 2.
+    damaged = run / "checkpoints" / names[1]
+    rng = run / "checkpoints" / "step_2" / "rng" / "rank_0.pt"
+    rng.write_bytes(b"")
+    _assert_one_line_error(capsys, "fails verification: rng/rank_0.pt has 0 bytes", "--config", TINY_FLUX, out,
+                           f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
+    assert damaged.is_dir()
+
+
+def test_fresh_run_refuses_earlier_metrics_unless_overwrite(capsys, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    _assert_one_line_error(capsys, "already holds the metrics of an earlier run (metrics.jsonl)", "--config",
+                           TINY_FLUX, f"train.output_dir={run}", "train.max_steps=1")
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "reward_mean": 0.5}\n'
+    code, errors, err = _run(capsys, "--config", TINY_FLUX, f"train.output_dir={run}", "train.max_steps=1",
+                             "train.overwrite=true")
+    assert code == 0 and not errors, err
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["reward_mean"] != 0.5
