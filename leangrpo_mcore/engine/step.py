@@ -30,7 +30,7 @@ from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
 from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
 from leangrpo_mcore.parallel.grad_sync import GradSync
 from leangrpo_mcore.parallel.groups import (PromptShare, assign_samples, build_group_process_groups, check_layout,
-                                            gather_group_rewards, gather_step_rewards)
+                                            check_updates, gather_group_rewards, gather_step_rewards)
 from leangrpo_mcore.parallel.memory import MemoryMeter
 from leangrpo_mcore.parallel.mesh import ParallelContext
 from leangrpo_mcore.parallel.precision import ForwardPrecision, null_precision
@@ -184,6 +184,7 @@ class StepPlan:
         if self.prompts_per_step % self.updates_per_rollout:
             raise ValueError(f"grpo.updates_per_rollout ({self.updates_per_rollout}) must divide "
                              f"grpo.prompts_per_step ({self.prompts_per_step}): each update trains whole groups")
+        check_updates(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step, self.updates_per_rollout)
         if self.advantage == "dance_grpo" and self.group_size < 2:
             raise ValueError("dance_grpo advantages use an unbiased std: grpo.group_size must be >= 2")
         if self.objective.kl_beta > 0:

@@ -91,6 +91,30 @@ def assign_samples(layout: str, dp_rank: int, dp_size: int, group_size: int,
     return [PromptShare(p, (index,), ranks) for p in range(worker, prompts_per_step, workers)]
 
 
+def check_updates(layout: str, dp_size: int, group_size: int, prompts_per_step: int, updates: int) -> None:
+    """ValueError (one line) unless every data-parallel rank holds the same number of samples in every one of the
+    ``updates`` optimizer steps of a rollout (update k trains prompt slots [k P/K, (k+1) P/K)). A rank with nothing
+    to do in an update would skip that update's collectives while the others wait in them."""
+    if updates <= 1:
+        return
+    per_update = prompts_per_step // updates
+    counts = set()
+    for rank in range(dp_size):
+        for k in range(updates):
+            held = sum(len(s.generation_ids) for s in assign_samples(layout, rank, dp_size, group_size,
+                                                                    prompts_per_step)
+                       if s.prompt_slot // per_update == k)
+            counts.add(held)
+            if held == 0:
+                raise ValueError(f"grpo.updates_per_rollout={updates}: data-parallel rank {rank} holds no sample of "
+                                 f"update {k} ({layout} layout, {prompts_per_step} prompts x {group_size} over "
+                                 f"{dp_size} ranks); every rank must take part in every update: raise "
+                                 f"grpo.prompts_per_step or lower grpo.updates_per_rollout")
+    if len(counts) > 1:
+        raise ValueError(f"grpo.updates_per_rollout={updates}: the ranks hold {sorted(counts)} samples in different "
+                         f"updates ({layout} layout); every rank must hold the same number in every update")
+
+
 def gather_rank_sets(layout: str, dp_size: int, group_size: int) -> list[tuple[int, ...]]:
     """Every distinct set of data-parallel ranks that gathers rewards (more than one rank), in a fixed order."""
     if layout == "conventional" or dp_size == 1:

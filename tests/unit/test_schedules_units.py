@@ -170,3 +170,21 @@ def test_clipping_and_optimizers():
         adamw.step()
         scheduler.step()
     assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[3] < 1.0 and lrs[5] < lrs[4]
+
+
+@pytest.mark.parametrize("layout,dp,prompts,fails", [
+    ("conventional", 2, 2, True),   # each rank holds one prompt: one of the two updates has nothing on it
+    ("conventional", 2, 4, False),
+    ("shared", 4, 2, True),         # 2 worker groups, 1 prompt per update: one group idles in each update
+    ("shared", 4, 4, False),
+    ("shared", 2, 2, False),        # every prompt is shared by both ranks
+])
+def test_every_rank_takes_part_in_every_update(layout, dp, prompts, fails):
+    from leangrpo_mcore.parallel.groups import check_updates
+
+    if fails:
+        with pytest.raises(ValueError, match="holds no sample of update"):
+            check_updates(layout, dp, 2, prompts, 2)
+    else:
+        check_updates(layout, dp, 2, prompts, 2)
+        check_updates(layout, dp, 2, prompts, 1)
