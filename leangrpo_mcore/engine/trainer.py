@@ -151,6 +151,12 @@ class Trainer:
         self.parts = build.build_policy_parts(config, self.pctx, self.precision)
         self.bridge = RewardBridge(self.data, config)
         self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
+        if self.schedule == "reweight":
+            plan = self.engine.plan.reweight_plan()
+            logger.info("Reweight accumulates %s provisional gradients (in %s)%s%s", plan.accumulate,
+                        plan.provisional_dtype or "the gradient dtype",
+                        ", folding each group and scaling once by the global std" if plan.global_fold else "",
+                        f"; {plan.note}" if plan.note else "")
         if config.parallel.reshard_after_forward is None and self.engine.plan.keeps_gathered(self.pctx):
             logger.info("FSDP2 keeps the parameters gathered through each step: %s trains different steps on "
                         "different ranks (parallel.reshard_after_forward=null)", config.grpo.timestep_selection)

@@ -48,6 +48,11 @@ def _reweight_buffers(work: Workload, shape: Shape) -> int:
     """Unsharded gradient buffers Reweight keeps at once (see ``schedules/reweight.py``)."""
     q, b = shape.generations_per_rank, shape.micro_batch
     live = min(q, b + 2) if work.reweight_accumulate == "affine" else q
+    if work.global_std and not work.reweight_global_fold:
+        # The global std needs the step's last reward: every local provisional gradient of the step waits.
+        live = q * shape.groups_per_rank
+    elif work.global_std:
+        live += 1  # the folded sum of the earlier groups
     return live + (1 if work.kl_beta > 0 else 0)  # KL: a separate unscaled accumulator
 
 
@@ -148,8 +153,10 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
         phases["native_update"] = {
             **base, "grads": sharded, "unsharded_grads": unsharded, "trajectories": m["trajectory"] * m["samples"],
             "activations": m["activations_step"], "backward_transient": m["backward_transient"]}
+    # Retain's graphs: |S| per generation of a group; with the global std the advantages wait for the step's
+    # last reward, so every group's graphs are kept.
+    graphs = work.selected_steps * m["generations_per_rank"] * (m["groups_per_rank"] if work.global_std else 1)
     if schedule == "retain":
-        graphs = work.selected_steps * m["generations_per_rank"]
         phases["retain_graphs"] = {
             **base, "unsharded_grads": unsharded, "trajectories": trajectories,
             "activations": m["activations_sample_step"] * graphs,
@@ -160,15 +167,15 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
             **base, "grads": earlier, "trajectories": trajectories,
             "provisional_grads": m["gradient_buffer"] * m["buffers"],
             "activations": m["activations_step"], "backward_transient": m["backward_transient"]}
-    phases["reward"] = _reward_phase(m, base, schedule, work.selected_steps, trajectories, unsharded)
+    phases["reward"] = _reward_phase(m, base, schedule, graphs, trajectories, unsharded)
     return phases
 
 
-def _reward_phase(m: dict, base: dict, schedule: str, steps: int, trajectories: int, unsharded: int) -> dict:
+def _reward_phase(m: dict, base: dict, schedule: str, graphs: int, trajectories: int, unsharded: int) -> dict:
     """Decoding and scoring a micro-batch while the schedule still holds its trajectories, graphs or buffers."""
     later_group = m["groups_per_rank"] > 1  # buffers of the step's earlier groups already exist
     held = {"native": {},
-            "retain": {"activations": m["activations_sample_step"] * steps * m["generations_per_rank"],
+            "retain": {"activations": m["activations_sample_step"] * graphs,
                        "unsharded_grads": unsharded if later_group else 0},
             "reweight": {"provisional_grads": m["gradient_buffer"] * m["buffers"],
                          "grads": m["grads"] if later_group else 0}}[schedule]
@@ -234,6 +241,9 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
         work.arch, work.lora_rank, work.lora_targets, layout.tp)
     forwards = work.num_steps + steps * ((1 if schedule == "native" else 0) + extra + (1 if kl else 0))
     backwards = steps * (1 + extra + (1 if kl and schedule == "reweight" else 0))  # Reweight: 2nd KL backward
+    # Reweight backpropagates each sample row of a batched graph on its own: B backwards of the whole batch,
+    # so a micro-batch of B costs B times the per-sample backward work.
+    row_backward = shape.micro_batch if schedule == "reweight" else 1
     params = params_per_rank(work.arch, layout.tp) * work.precision.compute_bytes
     gather = (layout.dp_shard - 1) / layout.dp_shard * params / (hw.intra_node_gbps * 1e9)
     gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
@@ -249,7 +259,7 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
         "rollout": n * work.num_steps * rates.forward,
         "recompute": n * steps * rates.forward * ((1 if schedule == "native" else 0) + extra),
         "reference_forward": n * steps * rates.forward if kl else 0.0,
-        "backward": n * backwards * rates.backward,
+        "backward": n * backwards * rates.backward * row_backward,
         "fsdp_all_gather": gathers * gather,
         "tp_all_reduce": n * (forwards + backwards) * rates.tp_per_pass,
         "grad_sync": _sync_count(work, shape, schedule) * _sync_seconds(work, hw, layout, trainable),

@@ -128,7 +128,19 @@ def plan(work: Workload, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Op
         return Plan(None, refusal(cands, hw, work), None, cands, None, hw, work)
     placement = place(best.layout, hw, best.shape, work.group_size, work.prompts_per_step,
                       conventional=work.layout == "conventional")
-    return Plan(best.schedule, explain(best, cands, work, hw, placement), best, cands, placement, hw, work)
+    reason = explain(best, cands, work, hw, placement)
+    if best.schedule == "reweight":
+        reason += " " + _reweight_words(work)
+    return Plan(best.schedule, reason, best, cands, placement, hw, work)
+
+
+def _reweight_words(work: Workload) -> str:
+    """How the chosen Reweight accumulates, and why it fell back if it did (one sentence)."""
+    text = f"Reweight accumulates {work.reweight_accumulate.replace('_', '-')} provisional gradients"
+    if work.global_std:
+        text += (", folding each group and scaling once by the global std" if work.reweight_global_fold else
+                 ", keeping every local one until the step's last reward (global std)")
+    return text + (f"; {work.reweight_note}." if work.reweight_note else ".")
 
 
 def _gib(n: float) -> str:
@@ -240,16 +252,14 @@ def selected_steps_of(config: Any) -> int:
     return count
 
 
-def _reweight_accumulate(config: Any) -> str:
-    if config.schedule.reweight_accumulate != "affine":
-        return "per_sample"
+def reweight_plan_of(config: Any):
+    """The schedule's own Reweight plan for ``config`` (accumulation after any fallback, global fold, note)."""
     # Imported lazily (torch): the schedule's own rule for when affine accumulation falls back to per-sample.
     from leangrpo_mcore.schedules.reweight import plan_reweight
 
     g = config.grpo
-    return plan_reweight("affine", advantage=g.advantage, group_size=g.group_size,
-                         prompts_per_step=g.prompts_per_step, adv_clip_max=g.adv_clip_max,
-                         global_std=g.global_std).accumulate
+    return plan_reweight(config.schedule.reweight_accumulate, advantage=g.advantage, group_size=g.group_size,
+                         prompts_per_step=g.prompts_per_step, adv_clip_max=g.adv_clip_max, global_std=g.global_std)
 
 
 def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, reward_seconds: float = 0.0,
@@ -283,7 +293,9 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
         optimizer=config.optim.name,
         momentum=config.optim.momentum, reshard_after_forward=config.parallel.reshard_after_forward,
         selection=config.grpo.timestep_selection,
-        reweight_accumulate=_reweight_accumulate(config), coalesce_sync=config.schedule.coalesce_sync,
+        reweight_accumulate=reweight_plan_of(config).accumulate, coalesce_sync=config.schedule.coalesce_sync,
+        global_std=config.grpo.global_std, reweight_global_fold=reweight_plan_of(config).global_fold,
+        reweight_note=reweight_plan_of(config).note,
         layout=config.parallel.layout)
 
 

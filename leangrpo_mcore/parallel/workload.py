@@ -115,8 +115,15 @@ class Workload:
     selection: str = "flow_grpo"
     """grpo.timestep_selection (whether ranks train different steps)."""
     reweight_accumulate: str = "per_sample"
+    global_std: bool = False
+    """grpo.global_std: advantages need every reward of the step (Retain keeps every group's graphs until then)."""
+    reweight_global_fold: bool = False
+    """Reweight folds each group and scales once at the end (the clamp cannot fire); otherwise, with global std,
+    it keeps every local provisional gradient of the step until the last reward."""
     coalesce_sync: bool = False
     layout: str = "shared"
+    reweight_note: str = ""
+    """Why Reweight's accumulation fell back from ``affine`` (empty when it did not)."""
 
     def __post_init__(self) -> None:
         if min(self.num_steps, self.selected_steps, self.group_size, self.prompts_per_step, self.micro_batch) < 1:

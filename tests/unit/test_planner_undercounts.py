@@ -1,0 +1,66 @@
+"""The planner charges what the schedules really keep: every group's graphs or provisional gradients under the
+global std, B backwards of a batched graph under Reweight, and the provisional gradients in their own dtype."""
+
+import dataclasses
+
+from leangrpo_mcore.parallel.arch_specs import load_arch
+from leangrpo_mcore.parallel.cost_model import memory_phases, step_time
+from leangrpo_mcore.parallel.workload import PRECISIONS, GiB, Hardware, Layout, Workload
+
+H100 = Hardware(nodes=1, gpus_per_node=8, gpu_mem_bytes=80 * GiB, gpu_tflops=989, intra_node_gbps=150,
+                hbm_gbps=3350)
+LAYOUT = Layout(tp=1, dp_shard=8, dp_replicate=1)  # 8 ranks, groups of 8: one generation per rank per group
+
+
+def _work(**kw) -> Workload:
+    arch = load_arch("flux-dev")
+    args = {"num_steps": 16, "selected_steps": 8, "group_size": 8, "prompts_per_step": 4, **kw}
+    return Workload(arch=arch, tokens=arch.tokens(512, 512, 1), **args)
+
+
+def test_retain_keeps_every_groups_graphs_under_the_global_std():
+    per_group = memory_phases(_work(), H100, LAYOUT, "retain", False)["retain_graphs"]["activations"]
+    every = memory_phases(_work(global_std=True), H100, LAYOUT, "retain", False)["retain_graphs"]["activations"]
+    assert every == 4 * per_group  # four groups per rank, all kept until the step's last reward
+
+
+def test_reweight_keeps_every_provisional_gradient_under_the_global_std_without_the_fold():
+    one = memory_phases(_work(), H100, LAYOUT, "reweight", False)["provisional_gradients"]["provisional_grads"]
+    kept = memory_phases(_work(global_std=True), H100, LAYOUT, "reweight", False)
+    folded = memory_phases(_work(global_std=True, reweight_global_fold=True), H100, LAYOUT, "reweight", False)
+    assert kept["provisional_gradients"]["provisional_grads"] == 4 * one
+    assert folded["provisional_gradients"]["provisional_grads"] == 2 * one  # + the folded sum
+
+
+def test_reweight_runs_one_backward_of_the_batch_per_sample_row():
+    group16 = dict(group_size=16)  # two generations per rank, so a micro-batch of two exists
+    single = step_time(_work(**group16), H100, LAYOUT, "reweight", False)["backward"]
+    batched = step_time(_work(micro_batch=2, **group16), H100, LAYOUT, "reweight", False)["backward"]
+    native = step_time(_work(micro_batch=2, **group16), H100, LAYOUT, "native", False)["backward"]
+    assert batched == 2 * single
+    assert native == step_time(_work(**group16), H100, LAYOUT, "native", False)["backward"]
+
+
+def test_provisional_gradients_are_charged_in_their_dtype():
+    bf16 = PRECISIONS["bf16"]
+    fp32_buffers = dataclasses.replace(bf16, buffer_bytes=4)
+    low = memory_phases(_work(precision=bf16), H100, LAYOUT, "reweight", False)
+    high = memory_phases(_work(precision=fp32_buffers), H100, LAYOUT, "reweight", False)
+    assert (high["provisional_gradients"]["provisional_grads"]
+            == 2 * low["provisional_gradients"]["provisional_grads"])
+
+
+def test_the_reweight_plan_and_its_fallback_are_explained():
+    from leangrpo_mcore.config import load_config
+    from leangrpo_mcore.parallel.layout import plan, workload_from_config
+
+    hw = Hardware(nodes=1, gpus_per_node=1)
+    fallback = workload_from_config(load_config("yaml_configs/tiny/flux.yaml", [
+        "schedule.reweight_accumulate=affine", "grpo.adv_clip_max=0.5"]))
+    assert fallback.reweight_accumulate == "per_sample" and "clamp may fire" in fallback.reweight_note
+    result = plan(fallback, hw, schedules=("reweight",))
+    assert result.schedule == "reweight"
+    assert "Reweight accumulates per-sample provisional gradients; |A| can reach 1 > adv_clip_max 0.5" in result.reason
+    exact = workload_from_config(load_config("yaml_configs/tiny/flux.yaml", ["schedule.reweight_accumulate=affine"]))
+    assert exact.reweight_accumulate == "affine" and not exact.reweight_note
+    assert "Reweight accumulates affine provisional gradients." in plan(exact, hw, schedules=("reweight",)).reason
