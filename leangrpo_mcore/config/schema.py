@@ -137,7 +137,7 @@ class ModelConfig:
     """Compute dtype of the policy's forwards and backwards: FSDP2 casts the master weights to it."""
     master_dtype: Optional[str] = option(None, choices=("float32", "bfloat16"))
     """dtype of the master weights (the FSDP2 shards) and of the optimizer state; null = float32."""
-    fp8: Optional[str] = option(None, choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
+    fp8: Optional[str] = option(None, choices=("tensorwise", "mxfp8", "blockwise"))
     """FP8 recipe for TE layers (null = off); needs the te backend."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward."""

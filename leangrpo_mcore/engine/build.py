@@ -31,6 +31,8 @@ from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models import LoRAConfig, apply_lora, get_family
 from leangrpo_mcore.models import mark_only_lora_trainable, resolve_model_config
 from leangrpo_mcore.models.common import checkpoint as ckpt
+from leangrpo_mcore.models.backends import resolve_backend
+from leangrpo_mcore.models.common.fp8 import fp8_config
 from leangrpo_mcore.models.registry import (ModelFamily, family_for_diffusers_class, materialize, meta_policy,
                                              read_policy_files)
 from leangrpo_mcore.parallel.groups import check_layout
@@ -136,7 +138,12 @@ def _lora_section(section: LoRASection, family: ModelFamily) -> LoRAConfig:
 
 
 def precision_of(config: Config, pctx: ParallelContext) -> RunPrecision:
-    """The run's dtypes; UserError when forwards must be cast but nothing can cast them."""
+    """The run's dtypes; UserError when forwards must be cast but nothing can cast them, or FP8 is asked for
+    without Transformer Engine."""
+    m = config.model
+    if m.fp8 is not None and resolve_backend(m.backend) != "te":
+        raise UserError(f"model.fp8={m.fp8} needs the Transformer Engine backend (model.backend=te or auto, with "
+                        f"transformer_engine installed and a CUDA device); set model.fp8=null here")
     precision = run_precision(config.model, config.parallel, config.schedule)
     if precision.casts and pctx.dp_mesh is None and pctx.world_size > 1:
         raise UserError(f"model.dtype={precision.compute} under model.master_dtype={precision.master} needs FSDP2 "
@@ -155,6 +162,8 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
         family, model_config = files.family, files.config
         if m.activation_checkpointing:
             model_config = dataclasses.replace(model_config, activation_checkpointing=True)
+        if m.fp8 is not None:  # FP8 is a run setting, not part of a checkpoint: apply it however the policy is built
+            model_config = fp8_config(model_config, m.fp8)
     else:
         family, model_config = resolve_model_config({"family": m.family, "preset": m.preset, **m.arch,
                                                      "activation_checkpointing": m.activation_checkpointing,

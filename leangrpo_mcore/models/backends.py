@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 
+from leangrpo_mcore.models.common.fp8 import fp8_alignment
 from leangrpo_mcore.models.common.init import set_init, uniform_fan_in
 from leangrpo_mcore.models.common.lora import AdapterHostMixin
 from leangrpo_mcore.models.common.tp import divide, mark_tp_partitioned, tp_group, tp_world_size
 
 BACKENDS = ("auto", "local", "te")
-FP8_ALIGNMENT = 16
 """TE's FP8 GEMMs need both matrix dimensions of the input to be multiples of 16."""
 
 
@@ -225,8 +225,11 @@ def _te_classes():
                 in_features, out_features, bias=bias, init_method=torch.nn.init.zeros_,
                 tp_group=tp_group() if parallel else None, tp_size=tp_world_size() if parallel else 1,
                 parallel_mode=mode if parallel else None, sequence_parallel=False,
-                params_dtype=config.params_dtype, device="cuda",
+                params_dtype=config.params_dtype,
+                # A policy built on the meta device (sharded materialisation) stays there until to_empty.
+                device="meta" if torch.empty(0).is_meta else "cuda",
             )
+            self.fp8_align = fp8_alignment(getattr(config, "fp8_recipe", None))
             # TE sets megatron's TP attributes itself; restating them keeps every backend identical.
             if mode == "column":
                 mark_tp_partitioned(self.weight, 0)
@@ -239,10 +242,11 @@ def _te_classes():
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             """Base output plus the adapter term (see the class doc)."""
             x = x.contiguous()
-            rows = x.numel() // x.shape[-1]
-            if rows % FP8_ALIGNMENT or x.shape[-1] % FP8_ALIGNMENT:
-                # FP8 GEMMs need 16-aligned matrices; per-sample projections (adaLN modulation, the
-                # timestep / pooled-text embedders at small batch) run unquantised instead of failing.
+            rows, align = x.numel() // x.shape[-1], self.fp8_align
+            if rows % align or x.shape[-1] % align or self.weight.shape[0] % align or self.weight.shape[1] % align:
+                # FP8 GEMMs need every dimension of both operands aligned (16; MXFP8: 32); per-sample
+                # projections (adaLN modulation, the timestep / pooled-text embedders at small batch) and odd
+                # weight shapes run unquantised instead of failing.
                 with te.fp8_autocast(enabled=False):
                     out = super().forward(x)
             else:

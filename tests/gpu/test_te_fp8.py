@@ -38,22 +38,20 @@ def test_te_backend_matches_local_backend_with_the_same_names():
         assert _rel(te_model(**_inputs()), local(**_inputs())) < 2e-2
 
 
-def test_fp8_rollout_phase_keeps_its_own_amax_history():
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+def test_fp8_rollout_and_training_forwards_agree(recipe):
+    # Current scaling keeps no history: a no-grad rollout forward and a training forward of the same input
+    # quantise alike, so the rollout-vs-training ratio stays inside a 1e-4 clip range.
     model = build_policy(TINY, seed=0, backend="te", dtype=torch.bfloat16)
-    model.config = fp8_config(model.config, "delayed")
+    model.config = fp8_config(model.config, recipe)
     contexts = FP8Contexts(model)
-    probe = model.transformer_blocks[0].attn.to_q
-    with contexts.training():
-        out_fp8 = model(**_inputs())
-    out_fp8.float().pow(2).mean().backward()
-    trained = probe.fp8_meta["scaling_fwd"].amax_history.clone()
     with torch.no_grad(), contexts.rollout():
         for _ in range(3):
-            model(**_inputs(scale=100.0))  # very different activation statistics
+            model(**_inputs(scale=100.0))  # other activation statistics must not leak into later forwards
+        rollout = model(**_inputs())
     with contexts.training():
-        assert torch.equal(probe.fp8_meta["scaling_fwd"].amax_history, trained)
-    with contexts.rollout():
-        assert not torch.equal(probe.fp8_meta["scaling_fwd"].amax_history, trained)
+        training = model(**_inputs())
+    assert _rel(training.detach(), rollout) < 1e-4
     with torch.no_grad():
         reference = build_policy(TINY, seed=0, backend="te", dtype=torch.bfloat16)(**_inputs())
-    assert _rel(out_fp8.detach(), reference) < 0.1
+    assert _rel(rollout, reference) < 0.1

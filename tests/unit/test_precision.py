@@ -91,3 +91,29 @@ def test_bf16_provisional_gradients_train_like_fp32_ones(tmp_path):
     reference, _, _ = _update(tmp_path, "fp32", *sgd)
     low, _, _ = _update(tmp_path, "bf16", *sgd, "schedule.provisional_dtype=bfloat16")
     assert _cos(reference, low) >= 0.99 and not torch.equal(reference, low)
+
+
+def test_fp8_without_transformer_engine_is_one_line(tmp_path, capsys):
+    from leangrpo_mcore.models.backends import te_available
+
+    assert not te_available()  # CPU CI: the TE path itself is tested in tests/gpu
+    for backend in ("local", "auto"):
+        assert main(["--config", TINY_FLUX, f"train.output_dir={tmp_path / backend}", "model.fp8=tensorwise",
+                     f"model.backend={backend}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.fp8=tensorwise needs the Transformer Engine backend" in err[0]
+    assert not (tmp_path / "local" / "checkpoints").exists()
+
+
+def test_fp8_reaches_a_policy_loaded_from_a_path(tmp_path):
+    from leangrpo_mcore.models import save_policy
+    from leangrpo_mcore.models.common.fp8 import fp8_config
+    from leangrpo_mcore.models.registry import read_policy_files
+
+    save_policy(build_policy({"family": "flux", "preset": "flux-tiny"}, seed=0, backend="local"), tmp_path / "p")
+    files = read_policy_files(tmp_path / "p")
+    assert files.config.fp8 is None  # FP8 is not stored with the weights ...
+    config = fp8_config(files.config, "mxfp8")  # ... the run applies it, as build_policy_parts does
+    assert (config.fp8, config.fp8_recipe, config.tp_only_amax_red) == ("hybrid", "mxfp8", True)
+    with pytest.raises(ValueError, match="delayed scaling is not offered"):
+        fp8_config(files.config, "delayed")

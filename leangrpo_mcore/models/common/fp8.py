@@ -1,17 +1,20 @@
-"""FP8 forward contexts for the TE backend, with separate scaling state for rollout and training.
+"""FP8 forward contexts for the TE backend: current-scaling recipes only.
 
 ``model.fp8`` in the run config names a recipe; :func:`fp8_config` turns it into megatron-core's
 TransformerConfig fields (``fp8`` format + ``fp8_recipe``) and :class:`FP8Contexts` opens megatron's
 FP8 context (``megatron.core.fp8_utils.get_fp8_context``: TE ``fp8_autocast`` with the recipe and the
 amax-reduction group) around a forward.
 
-Delayed scaling keeps an amax history per TE module. No-grad rollout forwards see other activation
-statistics than the training forwards (and far more of them), so letting them write into the same
-history would skew the training scales. :class:`FP8Contexts` therefore keeps one copy of the forward
-scaling state (``fp8_meta["scaling_fwd"]``: ``scale`` and ``amax_history``) per phase and swaps it
-into the modules, in place, when a phase is entered. The backward state is only touched by training
-backwards and is never swapped. Recipes without history (tensorwise / blockwise / mxfp8 current
-scaling) need no swap. Only meaningful where TE is installed (GPU); tested in ``tests/gpu``.
+Why current scaling only: TE's delayed scaling updates its scales from the amax history when an autocast region
+exits *with grad enabled*. The rollout runs under ``no_grad``, so after each reset it would quantise with stale
+or unit scales, and Native's rollout-vs-recompute log-prob ratios would leave the clip range (1e-4) almost
+everywhere. Current scaling (``tensorwise``, ``blockwise``, ``mxfp8``) derives each tensor's scale from that
+tensor when it is quantised: no history, so rollout and training forwards need no separate state.
+
+Amax reductions run over the tensor-parallel group only (``tp_only_amax_red``): the ranks of a TP group always run
+the same forward, while data-parallel ranks may not (DanceGRPO selection under Reweight trains different steps on
+different ranks), and a reduction over them would pair unrelated collectives. Only meaningful where TE is
+installed (GPU); tested in ``tests/gpu``.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import contextlib
 import dataclasses
 from typing import Any, Iterator, Optional
 
-import torch
-
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
 _PHASES = ("rollout", "training")
-_SWAPPED_META = "scaling_fwd"
-_SWAPPED_FIELDS = ("scale", "amax_history")
+
+
+def fp8_alignment(recipe: Optional[str]) -> int:
+    """The dimension multiple an FP8 GEMM of ``recipe`` needs (MXFP8 blocks are 32 wide, the others 16)."""
+    return 32 if recipe == "mxfp8" else 16
 
 
 def fp8_config(config: Any, recipe: Optional[str], *, fp8_format: str = "hybrid") -> Any:
@@ -33,62 +37,25 @@ def fp8_config(config: Any, recipe: Optional[str], *, fp8_format: str = "hybrid"
     if recipe is None:
         return dataclasses.replace(config, fp8=None)
     if recipe not in FP8_RECIPES:
-        raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
+        raise ValueError(f"unknown FP8 recipe {recipe!r}; choose one of {', '.join(FP8_RECIPES)} (delayed "
+                         f"scaling is not offered: it never calibrates during no-grad rollouts)")
     if fp8_format not in ("e4m3", "hybrid"):
         raise ValueError(f"FP8 format must be 'e4m3' or 'hybrid', got {fp8_format!r}")
-    return dataclasses.replace(config, fp8=fp8_format, fp8_recipe=recipe)
-
-
-def _fp8_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if isinstance(getattr(m, "fp8_meta", None), dict)]
-
-
-def _capture(modules: list[torch.nn.Module]) -> list[Optional[dict]]:
-    states = []
-    for module in modules:
-        meta = module.fp8_meta.get(_SWAPPED_META)
-        states.append(None if meta is None else
-                      {f: getattr(meta, f).detach().clone() for f in _SWAPPED_FIELDS if hasattr(meta, f)})
-    return states
-
-
-@torch.no_grad()
-def _restore(modules: list[torch.nn.Module], states: list[Optional[dict]]) -> None:
-    for module, state in zip(modules, states):
-        meta = module.fp8_meta.get(_SWAPPED_META)
-        if meta is None or state is None:
-            continue
-        for field_name, value in state.items():
-            # In place: TE's global amax buffers hold references to these tensors.
-            getattr(meta, field_name).copy_(value)
-
-
-@torch.no_grad()
-def _reset(modules: list[torch.nn.Module]) -> None:
-    for module in modules:
-        meta = module.fp8_meta.get(_SWAPPED_META)
-        if meta is not None:
-            # TE's delayed-scaling initial state: empty amax history, unit scales.
-            meta.amax_history.zero_()
-            meta.scale.fill_(1.0)
+    return dataclasses.replace(config, fp8=fp8_format, fp8_recipe=recipe, tp_only_amax_red=True)
 
 
 class FP8Contexts:
     """Per-phase FP8 autocast for one model: ``with contexts.rollout(): ...`` / ``contexts.training()``."""
 
-    def __init__(self, model: torch.nn.Module, config: Optional[Any] = None) -> None:
+    def __init__(self, model: Any, config: Optional[Any] = None) -> None:
         self.model = model
         self.config = config if config is not None else model.config
-        self._states: dict[str, Optional[list]] = {phase: None for phase in _PHASES}
         self._active: Optional[str] = None
 
     @property
     def enabled(self) -> bool:
         """Whether the config asks for FP8."""
         return bool(getattr(self.config, "fp8", None))
-
-    def _swaps_history(self) -> bool:
-        return getattr(self.config, "fp8_recipe", "delayed") == "delayed"
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -102,32 +69,12 @@ class FP8Contexts:
             if not self.enabled:
                 yield
             else:
-                with self._fp8_phase(name):
+                from megatron.core.fp8_utils import get_fp8_context
+
+                with get_fp8_context(self.config):
                     yield
         finally:
             self._active = None
-
-    @contextlib.contextmanager
-    def _fp8_phase(self, name: str) -> Iterator[None]:
-        from megatron.core.fp8_utils import get_fp8_context
-
-        swap = self._swaps_history()
-        modules = _fp8_modules(self.model) if swap else []
-        outer = _capture(modules)
-        if swap:
-            if self._states[name] is None:
-                _reset(modules)  # a phase's first entry starts from TE's initial state, not another phase's
-            else:
-                _restore(modules, self._states[name])
-        try:
-            with get_fp8_context(self.config):
-                yield
-        finally:
-            # After fp8_autocast's exit, which folds this phase's amaxes into its scales.
-            if swap:
-                modules = _fp8_modules(self.model)
-                self._states[name] = _capture(modules)
-                _restore(modules, outer)
 
     def rollout(self):
         """Context for no-grad rollout forwards."""

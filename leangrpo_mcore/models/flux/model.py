@@ -132,11 +132,12 @@ class FluxTransformer(torch.nn.Module):
         cos, sin = self._rope(img_ids, txt_ids)
         checkpointing = self.config.activation_checkpointing
         for block in self.transformer_blocks:
-            x, context = maybe_checkpoint(block, x, context, temb, cos, sin, enabled=checkpointing)
+            x, context = maybe_checkpoint(block, x, context, temb, cos, sin, enabled=checkpointing,
+                                          fp8=bool(self.config.fp8))
         text_len = context.shape[1]
         # Single-stream blocks run on the joint [text, image] sequence.
         joint = torch.cat([context, x], dim=1)
         for block in self.single_transformer_blocks:
-            joint = maybe_checkpoint(block, joint, temb, cos, sin, enabled=checkpointing)
+            joint = maybe_checkpoint(block, joint, temb, cos, sin, enabled=checkpointing, fp8=bool(self.config.fp8))
         x = self.norm_out(joint[:, text_len:], temb)
         return self.proj_out(x)

@@ -130,7 +130,8 @@ class WanModel(nn.Module):
         h = self.patch_embedding(self._patchify(hidden_states, grid))
         temb, modulation, context = self.condition_embedder(timestep, encoder_hidden_states)
         for block in self.layers:
-            h = maybe_checkpoint(block, h, context, modulation, rope, enabled=self.config.activation_checkpointing)
+            h = maybe_checkpoint(block, h, context, modulation, rope, enabled=self.config.activation_checkpointing,
+                                 fp8=bool(self.config.fp8))
         shift, scale = split_modulation(self.scale_shift_table, temb.unsqueeze(-2))
         h = (self.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
         return self._unpatchify(self.proj_out(h), grid)
