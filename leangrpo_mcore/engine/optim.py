@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from leangrpo_mcore.models.backends import weights_changed
 from leangrpo_mcore.parallel.mesh import ParallelContext
 
 
@@ -121,6 +122,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params: list[torch.nn.Param
                    scheduler: Optional[object] = None) -> None:
     """One optimizer (and scheduler) step, then clear the gradients."""
     optimizer.step()
+    weights_changed()
     if scheduler is not None:
         scheduler.step()
     zero_grad(params)

@@ -209,6 +209,19 @@ class LocalBackend(BackendProvider):
         return SDPACoreAttention(num_heads=divide(heads, tp_world_size()), head_dim=dim)
 
 
+_WEIGHTS_VERSION = [0]
+
+
+def weights_version() -> int:
+    """How many optimizer steps have changed the weights in this process (FP8 weight caches key on it)."""
+    return _WEIGHTS_VERSION[0]
+
+
+def weights_changed() -> None:
+    """Call after every optimizer step: cached FP8 copies of the weights are stale from now on."""
+    _WEIGHTS_VERSION[0] += 1
+
+
 @functools.lru_cache(maxsize=1)
 def _te_classes():
     te = _import_te()
@@ -230,6 +243,7 @@ def _te_classes():
                 device="meta" if torch.empty(0).is_meta else "cuda",
             )
             self.fp8_align = fp8_alignment(getattr(config, "fp8_recipe", None))
+            self._quantised_version = -1
             # TE sets megatron's TP attributes itself; restating them keeps every backend identical.
             if mode == "column":
                 mark_tp_partitioned(self.weight, 0)
@@ -250,7 +264,12 @@ def _te_classes():
                 with te.fp8_autocast(enabled=False):
                     out = super().forward(x)
             else:
-                out = super().forward(x)
+                # The weights change only at an optimizer step: quantise them at the first forward after one
+                # and reuse TE's cached FP8 copy for the T x M rollout forwards and the training forwards
+                # until the next step.
+                version = weights_version()
+                first, self._quantised_version = self._quantised_version != version, version
+                out = super().forward(x, is_first_microbatch=first)
             return self.add_adapter_output(x, out)
 
     class TECoreAttention(torch.nn.Module):

@@ -125,3 +125,18 @@ def test_fp8_settings_and_disabled_contexts():
         with pytest.raises(ValueError, match="inside phase"):
             with contexts.training():
                 pass
+
+
+def test_every_optimizer_step_invalidates_cached_fp8_weights():
+    import torch
+
+    from leangrpo_mcore.engine.optim import optimizer_step
+    from leangrpo_mcore.models.backends import weights_version
+
+    param = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    before = weights_version()
+    for expected in (1, 2):
+        param.grad = torch.ones(2)
+        optimizer_step(optimizer, [param])
+        assert weights_version() == before + expected
