@@ -132,6 +132,9 @@ class TrainingSnapshot:
         for p in params:
             p.grad = None
         before.restore(weights_only=True)
+        from leangrpo_mcore.models.backends import weights_changed
+
+        weights_changed()  # restored weights: cached FP8 copies are stale
         return cls(params, optimizer, lr_scheduler)
 
     def restore(self, weights_only: bool = False) -> None:
