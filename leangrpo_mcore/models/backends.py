@@ -66,6 +66,10 @@ def resolve_backend(name: str = "auto") -> str:
 
 
 def _init_linear_params(module: torch.nn.Module, in_features: int, out_features: int, mode: str) -> None:
+    # Alone in its TP group (or without megatron's parallel state) a parallel linear needs no collective, and
+    # megatron's autograd function would only split the fused matmul-plus-bias into a matmul, a separate bias
+    # add and a separate bias-gradient sum: such linears call F.linear (one addmm) instead.
+    module.tp_alone = tp_world_size() == 1
     module.parallel_mode = mode
     module.full_in_features = in_features
     module.full_out_features = out_features
@@ -112,7 +116,7 @@ class LocalColumnParallelLinear(ColumnParallelLinear, AdapterHostMixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Base output plus the adapter term (see the class doc)."""
-        if self.tp_group is None:  # built without megatron parallel_state: a plain TP=1 linear
+        if self.tp_alone:
             out = F.linear(x, self.weight, self.bias)
         else:
             out = _flat_call(super().forward, x)
@@ -130,7 +134,7 @@ class LocalRowParallelLinear(RowParallelLinear, AdapterHostMixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Base output plus the adapter term (see the class doc)."""
-        if self.tp_group is None:
+        if self.tp_alone:
             out = F.linear(x, self.weight, self.bias)
         else:
             out = _flat_call(super().forward, x)
