@@ -275,7 +275,8 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files under output_dir/tensorboard."""
     progress_bar: bool = True
-    """Show a progress bar on rank 0."""
+    """Show progress on rank 0: on a terminal a step bar and under it a rollout bar (denoising steps × groups);
+    otherwise (a log file) one plain line per step (step, reward mean/std, loss, step and phase times)."""
     measure_memory: Optional[bool] = None
     """Measure each step's peak tensor memory (null: on CUDA only; on CPU the meter slows the step down)."""
     wandb: Optional[WandbConfig] = None
