@@ -61,10 +61,10 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "leangrpo-train=leangrpo_mcore.cli.train:main",
+            "leangrpo-train=leangrpo_mcore.cli.train:launch",
             "leangrpo-convert=leangrpo_mcore.cli.convert:main",
             "leangrpo-plan=leangrpo_mcore.cli.plan:main",
-            "leangrpo-bench=leangrpo_mcore.cli.bench:main",
+            "leangrpo-bench=leangrpo_mcore.cli.bench:launch",
         ]
     },
     classifiers=[
