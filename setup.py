@@ -53,7 +53,6 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
-        "dali": ["nvidia-dali-cuda120"],
         "ocr": ["rapidocr>=3.10,<4", "onnxruntime"],
         "text": ["transformers"],
         "wandb": ["wandb>=0.31,<1"],
