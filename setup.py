@@ -53,7 +53,6 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
-        "dali": ["nvidia-dali-cuda120"],
         "ocr": ["rapidocr>=3.10,<4", "onnxruntime"],
         "text": ["transformers"],
         "wandb": ["wandb>=0.31,<1"],
@@ -61,10 +60,10 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "leangrpo-train=leangrpo_mcore.cli.train:main",
+            "leangrpo-train=leangrpo_mcore.cli.train:launch",
             "leangrpo-convert=leangrpo_mcore.cli.convert:main",
             "leangrpo-plan=leangrpo_mcore.cli.plan:main",
-            "leangrpo-bench=leangrpo_mcore.cli.bench:main",
+            "leangrpo-bench=leangrpo_mcore.cli.bench:launch",
         ]
     },
     classifiers=[

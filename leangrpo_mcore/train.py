@@ -5,7 +5,7 @@ The same command as ``leangrpo-train``; see :mod:`leangrpo_mcore.cli.train`.
 
 import sys
 
-from leangrpo_mcore.cli.train import main
+from leangrpo_mcore.cli.train import launch
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(launch())

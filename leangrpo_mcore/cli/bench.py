@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from torch.distributed.elastic.multiprocessing.errors import record
+
 from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.errors import UserError
@@ -100,9 +102,15 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``leangrpo-bench`` and ``python -m leangrpo_mcore.cli.bench``; returns the exit code."""
+    """Run ``leangrpo-bench`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code (see :func:`launch`)."""
     return run_main(_main, argv)
 
 
+@record
+def launch() -> int | None:
+    """The process entry point (``leangrpo-bench``, torchrun): :func:`main` under torchrun's ``record``."""
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(launch())

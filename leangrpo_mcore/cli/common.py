@@ -1,10 +1,18 @@
-"""What every entry point shares: one-line errors with exit code 2, ``--version``, and rank-aware output."""
+"""What every entry point shares: one-line errors with exit code 2, ``--version``, and rank-aware output.
+
+Under torchrun a bad input is printed once, by the first rank that fails
+(:func:`~leangrpo_mcore.engine.launch.first_to_report`); every failing rank also writes the line to torchrun's
+error file (``TORCHELASTIC_ERROR_FILE``), which torchrun shows in its failure summary instead of "To enable
+traceback see ...". The ranks exit with code 2; torchrun itself then exits with 1.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from typing import Callable, Sequence
 
 from leangrpo_mcore import __version__
@@ -30,10 +38,34 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         if os.environ.get("LEANGRPO_TRACEBACK") == "1":
             raise
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        print(f"error: {message}", file=sys.stderr)
+        if _reports_errors():
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        write_error_file(message)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     return int(code or 0)
 
+
+
+def _reports_errors() -> bool:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    from leangrpo_mcore.engine.launch import first_to_report
+
+    return first_to_report()
+
+
+def write_error_file(message: str) -> None:
+    """Under torchrun, put ``message`` in this rank's error file (the format of torchrun's own error handler,
+    without a traceback: torchrun prints the message as the failure's "traceback")."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as fp:
+            json.dump(record, fp)
+    except OSError:
+        pass  # the summary then says "To enable traceback see ..."; the error line is on stderr anyway

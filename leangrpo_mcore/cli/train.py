@@ -2,7 +2,8 @@
 
 ``leangrpo-train --config FILE [dotted.key=value ...]`` runs one process; under
 ``torchrun --nproc-per-node N -m leangrpo_mcore.train --config FILE ...`` every rank runs the same command.
-Bad input ends with a one-line ``error: ...`` and exit code 2 on every rank.
+Bad input ends with one ``error: ...`` line (printed by the first rank that fails) and exit code 2 on every
+rank; torchrun then prints its failure summary, with that line as each failed rank's message, and exits with 1.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Sequence
+
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.config import load_config
@@ -45,9 +48,16 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``leangrpo-train`` and ``python -m leangrpo_mcore.train``; returns the exit code."""
+    """Run ``leangrpo-train`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code (see :func:`launch`)."""
     return run_main(_main, argv)
 
 
+@record
+def launch() -> int | None:
+    """The process entry point (``leangrpo-train``, ``python -m leangrpo_mcore.train``, torchrun): :func:`main` on
+    ``sys.argv`` under torchrun's ``record``, so that a crash's traceback also reaches torchrun's error file."""
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(launch())

@@ -24,6 +24,11 @@ from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.config.schema import Config
 
 COMMAND_LINE = "command line"
+REMOVED_KEYS = {
+    "data.image_backend": "the images reach the reward as decoded tensors and nothing in training decodes or "
+                          "resizes image files; delete the key (resolved configs of earlier runs hold it)",
+}
+"""Keys that earlier versions accepted, with why they are gone: a config holding one gets that reason."""
 
 
 class ConfigError(UserError):
@@ -179,6 +184,8 @@ def _build(cls: type, data: Any, prefix: str, sources: dict, default_source: str
         if key not in fields:
             dotted = f"{prefix}{key}"
             source = sources.get(dotted, section_source)
+            if dotted in REMOVED_KEYS:
+                raise ConfigError(f"{source}: '{dotted}' was removed: {REMOVED_KEYS[dotted]}")
             close = difflib.get_close_matches(dotted, valid_keys(), n=1, cutoff=0.6)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{source}: unknown key '{dotted}'{hint}")

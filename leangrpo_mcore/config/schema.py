@@ -40,7 +40,8 @@ class SamplerConfig:
     frames: int = option(1, ge=1)
     """Video frames in pixel space (1 for images)."""
     negative_prompt: str = ""
-    """Prompt of the unconditional branch of classifier-free guidance (Wan)."""
+    """Prompt of the unconditional branch of classifier-free guidance (Wan), used when cfg_scale > 1 (a precomputed
+    text-embedding cache must hold it)."""
     same_latent: bool = False
     """Share the initial noise within a prompt group (SDE noise always differs per generation)."""
     sde_window_size: int = option(0, ge=0)
@@ -150,7 +151,8 @@ class ModelConfig:
     text_encoder_path: Optional[str] = None
     """diffusers pipeline directory holding the text encoders, or the precomputed embedding cache."""
     text_max_length: int = option(512, ge=1)
-    """Text tokens per prompt (T5 / UMT5: 512; tiny CPU configs use a few)."""
+    """Text tokens per prompt of the diffusers and precomputed text encoders (T5 / UMT5: 512; a precomputed cache
+    must have been written with the same length); the hashed CPU encoder always uses 16."""
     vae: str = option("tiny", choices=("tiny", "diffusers"))
     """Latent decoder: tiny random VAE for CPU runs, or diffusers weights from `vae_path`."""
     vae_path: Optional[str] = None
@@ -275,7 +277,8 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files under output_dir/tensorboard."""
     progress_bar: bool = True
-    """Show a progress bar on rank 0."""
+    """Show progress on rank 0: on a terminal a step bar and under it a rollout bar (denoising steps × groups);
+    otherwise (a log file) one plain line per step (step, reward mean/std, loss, step and phase times)."""
     measure_memory: Optional[bool] = None
     """Measure each step's peak tensor memory (null: on CUDA only; on CPU the meter slows the step down)."""
     wandb: Optional[WandbConfig] = None
@@ -285,14 +288,12 @@ class LoggingConfig:
 
 @dataclass
 class DataConfig:
-    """Prompts and image inputs."""
+    """Prompts."""
 
     prompts: str = "builtin"
     """Prompt source: 'builtin' (a small demo set) or a .txt (one per line) / .jsonl ({"prompt": ...}) file."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (deterministically from train.seed)."""
-    image_backend: str = option("auto", choices=("auto", "dali", "pil"))
-    """Image decode/resize pipeline for reward inputs and image datasets: NVIDIA DALI or PIL/torch."""
 
 
 @dataclass

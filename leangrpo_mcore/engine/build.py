@@ -214,10 +214,10 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
     dataset = PromptDataset.from_source(config.data.prompts)
     sampler = PromptSampler(len(dataset), config.grpo.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
-    max_length = {"max_length": HASHED_TEXT_LENGTH} if m.text_encoder == "hashed" else {}
-    dims = TextDims.for_policy(fam, diffusers_config, **max_length)
+    max_length = HASHED_TEXT_LENGTH if m.text_encoder == "hashed" else m.text_max_length
+    dims = TextDims.for_policy(fam, diffusers_config, max_length=max_length)
     guidance = s.guidance_scale if diffusers_config.get("guidance_embeds") else None
-    negative = "" if s.cfg_scale > 1.0 else None
+    negative = s.negative_prompt if s.cfg_scale > 1.0 else None
     text = build_text_encoder(m, fam, dims, negative_prompt=negative, guidance=guidance, seed=m.seed,
                               device=device)
     channels = latent_channels(family, diffusers_config)

@@ -127,6 +127,27 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
+def first_to_report() -> bool:
+    """Whether this process prints the job's one-line error: the first rank of the job to fail does.
+
+    Under torchrun the failing ranks count themselves on the launcher's own store (one atomic add, no
+    collective and no process group needed, so ranks failing together and a rank failing alone both print
+    exactly one line). A lone process reports; any other multi-process launch leaves it to rank 0 (``RANK``).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return True
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and addr and port:
+        try:
+            store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=10),
+                                  wait_for_workers=False)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            return store.add(f"leangrpo/errors_reported/{attempt}", 1) == 1
+        except (RuntimeError, ValueError, OSError):
+            pass  # the launcher's store is gone: fall back to rank 0
+    return os.environ.get("RANK", "0") == "0"
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` from rank ``src`` on every rank (identity in a one-rank job)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

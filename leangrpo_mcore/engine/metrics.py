@@ -1,5 +1,5 @@
 """Per-step metrics: one flat JSON object per step into ``metrics.jsonl``, TensorBoard scalars (and wandb's, see
-:mod:`leangrpo_mcore.engine.wandb_log`), a progress bar.
+:mod:`leangrpo_mcore.engine.wandb_log`), progress output (bars on a terminal, one line per step otherwise).
 
 Only rank 0 writes. Rows are flushed line by line, so a killed run leaves at most one torn last line (which
 :func:`~leangrpo_mcore.engine.run_dir.read_metrics` ignores). NaN/inf values are written as the strings
@@ -8,12 +8,17 @@ Only rank 0 writes. Rows are flushed line by line, so a killed run leaves at mos
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
+
+from leangrpo_mcore.engine.launch import LOGGER_NAME
 
 if TYPE_CHECKING:
     from leangrpo_mcore.engine.wandb_log import WandbRun
@@ -90,25 +95,85 @@ class MetricsLogger:
             self._wandb = None
 
 
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is an interactive terminal (a closed or fake stream without ``isatty`` is not)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def step_line(step: int, total: int, row: Mapping[str, Scalar]) -> str:
+    """The plain one-line summary of a step: step, reward mean/std, loss, step time and the phase times."""
+    phases = [(key[len("time_"):-len("_s")], value) for key, value in row.items()
+              if key.startswith("time_") and key.endswith("_s") and key != "time_step_s"]
+    times = " ".join(f"{name}={float(value):.2f}s" for name, value in phases)
+    line = (f"step {step}/{total} reward_mean={float(row['reward_mean']):.4g} "
+            f"reward_std={float(row['reward_std']):.4g} loss={float(row['loss']):.4g} "
+            f"step_time={float(row['time_step_s']):.2f}s")
+    return f"{line} ({times})" if times else line
+
+
 class ProgressBar:
-    """A tqdm bar on rank 0 showing step, reward, loss and step time; silent elsewhere or when disabled."""
+    """Rank 0's progress output; silent elsewhere or when disabled (``logging.progress_bar=false``).
 
-    def __init__(self, total: int, initial: int, *, enabled: bool) -> None:
-        self._bar = None
-        if enabled:
-            from tqdm.auto import tqdm
+    On a terminal: a step bar with the latest numbers and under it a rollout bar that advances with every
+    denoising step of every group the rank rolls out (:meth:`rollout`, the step engine's progress hook).
+    Otherwise (a log file, a pipe): one plain line per step (:func:`step_line`) and no ``\\r`` frames.
+    """
 
-            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+    def __init__(self, total: int, initial: int, *, enabled: bool, stream: Any = None) -> None:
+        """``stream``: where the output goes (default ``sys.stderr``)."""
+        self.total = total
+        self.enabled = enabled
+        self.stream = sys.stderr if stream is None else stream
+        self.interactive = enabled and is_terminal(self.stream)
+        self._bar = self._rollout_bar = None
+        self._redirect = contextlib.ExitStack()
+        if self.interactive:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
-    def update(self, step: int, reward: float, loss: float, step_time_s: float) -> None:
-        """Advance by one step and show the latest numbers."""
-        if self._bar is None:
+            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
+                             file=self.stream, position=0)
+            self._rollout_bar = tqdm(total=0, desc="rollout", unit="step", dynamic_ncols=True, file=self.stream,
+                                     position=1, leave=False)
+            # Log lines (checkpoints saved, warnings) are printed above the bars instead of through them.
+            self._redirect.enter_context(logging_redirect_tqdm([logging.getLogger(LOGGER_NAME)], tqdm_class=tqdm))
+
+    @property
+    def rollout_hook(self) -> Optional[Callable[[int, int], None]]:
+        """The step engine's progress callback: :meth:`rollout` on a terminal, else None (no per-step cost)."""
+        return self.rollout if self._rollout_bar is not None else None
+
+    def rollout(self, done: int, total: int) -> None:
+        """``done`` of the step's ``total`` denoising steps (over this rank's groups) are rolled out."""
+        bar = self._rollout_bar
+        if bar is None:
             return
-        self._bar.set_postfix_str(f"step={step} reward={reward:.4g} loss={loss:.4g} t={step_time_s:.2f}s")
+        if done <= 1 or bar.total != total or done < bar.n:
+            bar.reset(total=total)
+        bar.update(done - bar.n)
+        if done == total:
+            bar.refresh()  # tqdm skips frames closer than its mininterval: always show the finished rollout
+
+    def update(self, step: int, row: Mapping[str, Scalar]) -> None:
+        """Step ``step`` finished with metrics ``row`` (the row written to metrics.jsonl)."""
+        if not self.enabled:
+            return
+        if self._bar is None:
+            self.stream.write(step_line(step, self.total, row) + "\n")
+            self.stream.flush()
+            return
+        self._bar.set_postfix_str(f"reward={float(row['reward_mean']):.4g} std={float(row['reward_std']):.3g} "
+                                  f"loss={float(row['loss']):.4g} t={float(row['time_step_s']):.2f}s", refresh=False)
         self._bar.update(1)
+        self._bar.refresh()
 
     def close(self) -> None:
-        """Close the bar."""
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        """Close the bars (and give the log its own handler back)."""
+        self._redirect.close()
+        for bar in (self._rollout_bar, self._bar):
+            if bar is not None:
+                bar.close()
+        self._bar = self._rollout_bar = None

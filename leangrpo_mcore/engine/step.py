@@ -41,6 +41,9 @@ from leangrpo_mcore.schedules.reweight import ReweightPlan, plan_reweight
 
 RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``reward_fn(final_latents (B, *shape), prompt_ids (B,)) -> (B,)`` float rewards."""
+ProgressFn = Callable[[int, int], None]
+"""``progress(done, total)``: after each denoising step of the rollout, how many of the step's ``total``
+denoising steps (steps × this rank's micro-batches over its groups) are done."""
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,7 @@ class StepEngine:
     def __init__(self, plan: StepPlan, *, policy: torch.nn.Module, velocity_fn, ctx: ParallelContext,
                  optimizer: torch.optim.Optimizer, reward_fn: RewardFn, lr_scheduler=None,
                  precision: ForwardPrecision = null_precision, measure_memory: Optional[bool] = None,
-                 keep_trajectories: bool = False) -> None:
+                 keep_trajectories: bool = False, progress: Optional[ProgressFn] = None) -> None:
         plan.validate(ctx, policy)
         self.plan, self.policy, self.velocity_fn, self.ctx = plan, policy, velocity_fn, ctx
         self.optimizer, self.reward_fn, self.lr_scheduler = optimizer, reward_fn, lr_scheduler
@@ -284,6 +287,7 @@ class StepEngine:
         self.params = trainable_parameters(policy)
         self.measure_memory = ctx.device.type == "cuda" if measure_memory is None else measure_memory
         self.keep_trajectories = keep_trajectories
+        self.progress, self._rolled = progress, 0
         self.shares = assign_samples(plan.layout, ctx.dp_rank, ctx.dp_size, plan.group_size, plan.prompts_per_step)
         self.gather_groups = (build_group_process_groups(plan.layout, ctx.dp_size, plan.group_size,
                                                          ctx.dp_global_ranks) if ctx.dp_size > 1 else {})
@@ -301,6 +305,7 @@ class StepEngine:
                              f"expected prompts_per_step={self.plan.prompts_per_step}")
         meter = MemoryMeter(self.ctx.device) if self.measure_memory else contextlib.nullcontext()
         timer = PhaseTimer()
+        self._rolled = 0
         with meter:
             result = self._run(inputs, timer)
         result.timings = dict(timer.totals)
@@ -362,7 +367,8 @@ class StepEngine:
                                selected=draws.selected, sde_steps=draws.sde_steps, noise_seeds=draws.noise_seeds,
                                prompt_ids=prompt_ids, generation_ids=torch.tensor(ids, dtype=torch.long),
                                grad_steps=None if schedule is None else schedule.grad_steps(draws.selected),
-                               on_step=None if schedule is None else schedule.on_step(key, cond),
+                               on_step=self._with_progress(None if schedule is None
+                                                           else schedule.on_step(key, cond)),
                                forward_context=self.precision)
             with timer.phase("reward"):
                 local = _check_rewards(self.reward_fn(traj.final_latents, prompt_ids), len(ids))
@@ -376,6 +382,20 @@ class StepEngine:
         update = GroupUpdate(index=share.prompt_slot, trajectories=trajectories, rewards=rewards,
                              group_mean=float(group.double().mean()))
         return GroupRecord(share=share, update=update, group_rewards=group)
+
+    def _with_progress(self, on_step):
+        """``on_step`` (or nothing) followed by a :attr:`progress` tick; ``on_step`` itself without a hook."""
+        if self.progress is None:
+            return on_step
+        plan = self.plan
+        total = plan.num_steps * sum(-(-len(s.generation_ids) // plan.micro_batch) for s in self.shares)
+
+        def tick(record) -> None:
+            if on_step is not None:
+                on_step(record)
+            self._rolled += 1
+            self.progress(self._rolled, total)
+        return tick
 
     def _set_advantages(self, records: list[GroupRecord], rewards: torch.Tensor, group_ids: torch.Tensor,
                         offsets: list[int]) -> None:

@@ -175,6 +175,7 @@ class Trainer:
                                      enabled=enabled, purge_step=self.state.step + 1, wandb=wandb)
         self.progress = ProgressBar(config.train.max_steps, self.state.step,
                                     enabled=enabled and config.logging.progress_bar)
+        self.engine.progress = self.progress.rollout_hook
 
     def _resume_target(self) -> Optional[str]:
         spec = self.config.checkpoint.resume
@@ -266,7 +267,7 @@ class Trainer:
         self._after_update(step, skipped)
         row = self._row(result, elapsed, skipped, lr)
         self.metrics.log(step, row)
-        self.progress.update(step, row["reward_mean"], row["loss"], elapsed)
+        self.progress.update(step, row)
         if self.bridge.capture:
             self._write_samples(step)
         self._stop_if_diverged(step)

@@ -266,7 +266,8 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
                          reward_mem_gb: float = 0.0, decode_bytes: int = 0) -> Workload:
     """The :class:`Workload` of an experiment config, as written.
 
-    ``text_tokens`` defaults to the text encoder's length: 512 (T5 / UMT5), 16 for the hashed CPU embedder.
+    ``text_tokens`` defaults to the text encoder's length: ``model.text_max_length`` (T5 / UMT5: 512), 16 for the
+    hashed CPU embedder.
     """
     m, s = config.model, config.sampler
     if m.path:
@@ -279,7 +280,7 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
     else:
         raise UserError("model: set model.path or model.preset to plan")
     if text_tokens is None:
-        text_tokens = HASHED_TEXT_TOKENS if m.text_encoder == "hashed" else DEFAULT_TEXT_TOKENS
+        text_tokens = HASHED_TEXT_TOKENS if m.text_encoder == "hashed" else m.text_max_length
     tokens = arch.tokens(s.height, s.width, s.frames, text_tokens)
     # null targets: the family's default set (as ``engine.build`` resolves them)
     targets = DEFAULT_LORA_TARGETS[arch.family] if m.lora.targets is None else tuple(m.lora.targets)

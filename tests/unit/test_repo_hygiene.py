@@ -38,3 +38,29 @@ def test_docstring_references_point_at_existing_docs():
     missing = sorted({m.group(1) for p in _tracked_files() for m in pattern.finditer(p.read_text(errors="replace"))
                       if not (ROOT / "docs" / m.group(1)).is_file()})
     assert not missing, f"docs pages referenced but absent: {missing}"
+
+
+def _quickstart_test_command() -> str:
+    """The second command of the README's Quickstart code block: the one ``.ci/run`` runs."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```", 2)[1]
+    commands = [line for line in block.splitlines()[1:] if line.strip() and not line.lstrip().startswith("#")]
+    return commands[1]
+
+
+def test_quickstart_installs_the_extras_the_cpu_tests_use():
+    import ast
+
+    command = _quickstart_test_command()
+    match = re.search(r'-e "\.\[([\w,-]+)\]"', command)
+    assert match and "pytest" in command, command
+    installed = set(match.group(1).split(","))
+    setup = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    extras = next(ast.literal_eval(kw.value) for node in ast.walk(setup) if isinstance(node, ast.Call)
+                  for kw in node.keywords if kw.arg == "extras_require")
+    assert installed <= set(extras), f"the Quickstart installs extras setup.py lacks: {installed - set(extras)}"
+    # A test that skips when an extra is missing must run in CI: its extra is installed there.
+    skipped_on = {m.group(1) for p in (ROOT / "tests").rglob("*.py")
+                  for m in re.finditer(r"the '(\w+)' extra\) (?:is|are) not installed", p.read_text(encoding="utf-8"))}
+    assert skipped_on and skipped_on <= installed, f"CI would skip the tests of {skipped_on - installed}"
