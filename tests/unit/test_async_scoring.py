@@ -191,3 +191,35 @@ def test_validated_reward_submit_uses_the_rewards_own_submit():
     with pytest.raises(RewardError) as caught:
         ValidatedReward("remote", _OwnSubmit(remote_error)).submit(images, ["a", "b"]).result()
     assert caught.value is remote_error  # the remote reward's own line is kept as it is
+
+
+def _server_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "reward_server_example.py"
+    spec = importlib.util.spec_from_file_location("reward_server_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_example_server_delay_makes_every_batch_slow(capsys):
+    tool = _server_tool()
+    server = tool.make_server(0, delay_s=0.3)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        remote = build_reward("remote", url=f"http://127.0.0.1:{server.server_address[1]}/")
+        images = _images(2)
+        begin = time.perf_counter()
+        assert torch.equal(remote(images, ["a", "b"]), build_reward("jpeg_compressibility")(images, ["a", "b"]))
+        assert time.perf_counter() - begin >= 0.3
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+    for bad in ("-1", "nan"):
+        with pytest.raises(SystemExit) as stop:
+            tool.main(["--delay-s", bad, "--port", "0"])
+        assert stop.value.code == 2 and "--delay-s must be a finite number >= 0" in capsys.readouterr().err
