@@ -199,7 +199,12 @@ class RewardBridge:
                 device = contextlib.nullcontext() if stream is None else torch.cuda.device(final_latents.device)
                 with device, (contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
                     images = self._decode(final_latents)
-                    scoring = self.data.reward.submit(images, prompts)
+                    submit = getattr(self.data.reward, "submit", None)
+                    if callable(submit):
+                        scoring = submit(images, prompts)
+                    else:  # a bare reward callable: score it here, on the decoding thread
+                        scoring = Future()
+                        scoring.set_result(self.data.reward(images, prompts))
             except RewardError as err:
                 scoring = Future()
                 scoring.set_exception(err)

@@ -223,3 +223,16 @@ def test_example_server_delay_makes_every_batch_slow(capsys):
         with pytest.raises(SystemExit) as stop:
             tool.main(["--delay-s", bad, "--port", "0"])
         assert stop.value.code == 2 and "--delay-s must be a finite number >= 0" in capsys.readouterr().err
+
+
+def test_bench_summary_table():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_async_scoring.py"
+    spec = importlib.util.spec_from_file_location("bench_async_scoring", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    launch = lambda step: [{"time_step_s": 9.0}] + [{"time_step_s": step, "time_rollout_s": 0.1, "time_reward_s": 0.2}] * 3
+    table = tool.summarize({"false": [launch(0.8)], "true": [launch(0.4)]})
+    assert "| false | 3 | 0.800 | 0.100 | 0.200 |" in table and "0.800 s -> 0.400 s (2.00x)" in table
