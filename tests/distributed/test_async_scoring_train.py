@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
 LORA_KL = ("model.lora.rank=4", "model.lora.alpha=8", "grpo.kl_beta=0.05")
 
-if "fails_after_for_async_tests" not in REWARDS:
-    @register_reward("fails_after_for_async_tests")
+if "scorer_lost_for_async_tests" not in REWARDS:
+    @register_reward("scorer_lost_for_async_tests")
     class _FailsAfter:
         """Mean intensity for ``calls`` batches, then a failure (on a later step)."""
 
@@ -109,10 +109,10 @@ def test_local_reward_with_lora_and_kl_in_the_background_trains_the_same_run(tmp
 
 def test_a_background_reward_error_stops_the_run_before_the_step_is_saved(tmp_path):
     # Four batches per step (two groups of two generations): the fifth, in step 2, fails on the worker thread.
-    code, errors = _run(tmp_path / "run", "reward.name=fails_after_for_async_tests", "reward.async_scoring=true",
+    code, errors = _run(tmp_path / "run", "reward.name=scorer_lost_for_async_tests", "reward.async_scoring=true",
                         "checkpoint.save_every=1")
     assert code == 2
-    assert errors == ["error: reward 'fails_after_for_async_tests' raised RuntimeError: scorer lost after 4 batches"]
+    assert errors == ["error: reward 'scorer_lost_for_async_tests' raised RuntimeError: scorer lost after 4 batches"]
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1]
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_1"]
     # A server that is gone fails the first step the same way, through the remote reward's own submit.
