@@ -5,7 +5,8 @@ It speaks the protocol of :mod:`leangrpo_mcore.rl.rewards.remote` (POST JSON ``{
 bounds its work: request bodies over ``--max-body-mb`` are refused (413, 411 without a Content-Length), batches
 over ``--max-images`` too (400), and so are batches of more than ``--max-pixels`` pixels in all (413), judged from
 the PNG headers before any image is decoded; at most ``--max-concurrent`` batches are decoded and scored at once;
-a stalled client is dropped after ``--client-timeout-s``; with ``--max-requests N`` it exits after N requests.
+a stalled client is dropped after ``--client-timeout-s``; with ``--max-requests N`` it exits after N requests;
+``--delay-s`` adds that many seconds to the scoring of every batch (a stand-in for a slow reward model).
 It listens on ``--host`` (127.0.0.1 by default; it has no TLS or authentication of its own, so put a TLS proxy in
 front of it before exposing it). Use it to test a training setup, or as the template of a real server (replace
 the scoring function with PickScore, HPS, ...)::
@@ -21,6 +22,7 @@ import json
 import socket
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, List, Optional, Sequence
 
@@ -50,8 +52,10 @@ def make_handler(
     client_timeout_s: float,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     max_concurrent: int = 2,
+    delay_s: float = 0.0,
 ) -> type:
-    """A request handler class that scores POSTed batches with ``score(images (B,3,H,W) [0,1], prompts)``."""
+    """A request handler class that scores POSTed batches with ``score(images (B,3,H,W) [0,1], prompts)``;
+    ``delay_s`` seconds are added to each batch's scoring (while it holds one of the ``max_concurrent`` slots)."""
     working = threading.BoundedSemaphore(max_concurrent)
 
     class RewardHandler(BaseHTTPRequestHandler):
@@ -103,7 +107,10 @@ def make_handler(
                 except (ValueError, UnicodeDecodeError) as exc:
                     raise _Refused(400, str(exc)) from None
                 try:
-                    return {"rewards": [float(r) for r in score(images, prompts)]}
+                    rewards = {"rewards": [float(r) for r in score(images, prompts)]}
+                    if delay_s > 0:
+                        time.sleep(delay_s)
+                    return rewards
                 except Exception as exc:  # noqa: BLE001 -- a scoring failure is the server's error, reported as 500
                     raise _Refused(500, f"{type(exc).__name__}: {exc}") from None
 
@@ -154,12 +161,13 @@ def make_server(
     max_concurrent: int = 2,
     client_timeout_s: float = 30.0,
     max_requests: int = 0,
+    delay_s: float = 0.0,
     handler: Optional[type] = None,
 ) -> RewardServer:
     """A threading server on ``host``:``port`` (0 = a free port, see ``server.server_port``) serving ``reward``."""
     handler = handler or make_handler(
         build_reward(reward), max_body_bytes=max_body_bytes, max_images=max_images, client_timeout_s=client_timeout_s,
-        max_pixels=max_pixels, max_concurrent=max_concurrent,
+        max_pixels=max_pixels, max_concurrent=max_concurrent, delay_s=delay_s,
     )
     server_class = RewardServer
     if ":" in host:  # an IPv6 address such as ::1
@@ -180,13 +188,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-concurrent", type=int, default=2, help="batches decoded and scored at once")
     parser.add_argument("--client-timeout-s", type=float, default=30.0, help="drop clients idle this long")
     parser.add_argument("--max-requests", type=int, default=0, help="exit after this many requests (0 = never)")
+    parser.add_argument("--delay-s", type=float, default=0.0,
+                        help="seconds added to every batch's scoring: a slow reward model, for benchmarks")
     args = parser.parse_args(argv)
     if args.max_pixels < 1 or args.max_concurrent < 1 or args.max_images < 1 or not args.max_body_mb > 0:
         parser.error("--max-pixels, --max-concurrent, --max-images and --max-body-mb must be positive")
+    if not 0 <= args.delay_s < float("inf"):
+        parser.error("--delay-s must be a finite number >= 0")
     server = make_server(
         args.port, host=args.host, reward=args.reward, max_body_bytes=int(args.max_body_mb * (1 << 20)),
         max_images=args.max_images, max_pixels=args.max_pixels, max_concurrent=args.max_concurrent,
-        client_timeout_s=args.client_timeout_s, max_requests=args.max_requests,
+        client_timeout_s=args.client_timeout_s, max_requests=args.max_requests, delay_s=args.delay_s,
     )
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"serving reward '{args.reward}' on http://{host}:{server.server_port}/", flush=True)

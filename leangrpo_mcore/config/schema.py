@@ -105,7 +105,8 @@ class RewardConfig:
     ca_bundle: Optional[str] = None
     """For name 'remote': CA certificate file (PEM) that verifies an https reward server."""
     async_scoring: bool = False
-    """Score rewards in a background thread so that scoring overlaps the next rollout where possible."""
+    """Decode and score each micro-batch in a background thread while the next ones roll out; rewards are
+    joined before the advantages need them, with the same numbers as synchronous scoring (more memory held)."""
 
 
 @dataclass

@@ -10,14 +10,23 @@ finished (reduced), clipped, and the optimizer steps.
 step each, the baselines' "K optimizer steps per rollout batch". Every block is rolled out before the first
 optimizer step; the first block is updated by the configured schedule (recompute-free for Retain and
 Reweight), the later ones by Native at the current parameters, since the rollout's graphs are stale by then.
+
+``reward.async_scoring`` scores a group in the background while this rank rolls out its next group (and
+updates the group before): each micro-batch goes to ``reward_fn.submit`` (a Future; a plain ``reward_fn`` is
+called on a worker thread). The group's rewards are joined right after the next group's rollout, before the
+schedule's ``on_rewards`` / ``on_group_rewards`` and before any advantage, and every hook runs in the order it
+runs without it, so rewards, advantages and gradients are the same bit for bit. What grows is what the
+schedule holds while it waits: the next group's trajectories, and Retain's graphs or Reweight's provisional
+gradients of two groups instead of one. The ``reward`` phase is then the time spent waiting for the scores.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -40,7 +49,8 @@ from leangrpo_mcore.schedules.base import (GroupUpdate, Objective, PhaseTimer, S
 from leangrpo_mcore.schedules.reweight import ReweightPlan, plan_reweight
 
 RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``reward_fn(final_latents (B, *shape), prompt_ids (B,)) -> (B,)`` float rewards."""
+"""``reward_fn(final_latents (B, *shape), prompt_ids (B,)) -> (B,)`` float rewards (with async scoring,
+``reward_fn.submit`` with the same arguments returns a Future of them, where it has one)."""
 ProgressFn = Callable[[int, int], None]
 """``progress(done, total)``: after each denoising step of the rollout, how many of the step's ``total``
 denoising steps (steps × this rank's micro-batches over its groups) are done."""
@@ -92,6 +102,8 @@ class StepPlan:
     """Share the initial noise within a prompt group."""
     reshard_after_forward: Optional[bool] = None
     """parallel.reshard_after_forward (None: auto, see :func:`keep_parameters_gathered`)."""
+    async_scoring: bool = False
+    """reward.async_scoring: score each group in the background during the next group's rollout."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, latent_shape: tuple[int, ...], sigmas: torch.Tensor,
@@ -112,7 +124,7 @@ class StepPlan:
             reweight_accumulate=cfg.schedule.reweight_accumulate, max_grad_norm=cfg.optim.max_grad_norm,
             provisional_dtype=cfg.schedule.provisional_dtype or cfg.parallel.reduce_dtype,
             seed=cfg.train.seed, same_latent=s.same_latent,
-            reshard_after_forward=cfg.parallel.reshard_after_forward,
+            reshard_after_forward=cfg.parallel.reshard_after_forward, async_scoring=cfg.reward.async_scoring,
         )
 
     @property
@@ -264,6 +276,17 @@ class GroupRecord:
     """(M,) float32 rewards of the whole group, generation order."""
 
 
+@dataclass
+class ScoringGroup:
+    """A prompt group's local share after its rollout, its rewards still being scored (async scoring)."""
+
+    share: PromptShare
+    trajectories: list[Trajectory]
+    """The rollout of each micro-batch."""
+    scores: list[Future]
+    """Each micro-batch's Future of its (B_mb,) local rewards."""
+
+
 def _check_rewards(rewards: torch.Tensor, batch: int) -> torch.Tensor:
     rewards = torch.as_tensor(rewards)
     if rewards.shape != (batch,):
@@ -291,6 +314,7 @@ class StepEngine:
         self.shares = assign_samples(plan.layout, ctx.dp_rank, ctx.dp_size, plan.group_size, plan.prompts_per_step)
         self.gather_groups = (build_group_process_groups(plan.layout, ctx.dp_size, plan.group_size,
                                                          ctx.dp_global_ranks) if ctx.dp_size > 1 else {})
+        self._scorer: Optional[ThreadPoolExecutor] = None
 
     def _schedule(self, name: str, timer: PhaseTimer):
         sync = GradSync(self.policy, self.ctx, mode=self.plan.sync_mode(), phase=timer.phase)
@@ -319,9 +343,7 @@ class StepEngine:
         first = self._schedule(plan.schedule, timer)
         first.begin_update(loss_weight(plan.samples_per_update, plan.steps_per_sample))
         records: list[GroupRecord] = []
-        for share in sorted(self.shares, key=lambda s: (plan.update_of(s.prompt_slot), s.prompt_slot)):
-            schedule = first if plan.update_of(share.prompt_slot) == 0 else None
-            record = self._roll_out_group(inputs, share, schedule, timer)
+        for record, schedule in self._scored_groups(inputs, first, timer):
             if schedule is not None:
                 schedule.on_group_rewards(record.update)
             if not plan.global_std:
@@ -348,8 +370,48 @@ class StepEngine:
         return StepResult(step=inputs.step, rewards=rewards, advantages=advantages, updates=updates,
                           trajectories=kept)
 
-    def _roll_out_group(self, inputs: StepInputs, share: PromptShare, schedule, timer: PhaseTimer) -> GroupRecord:
-        """Roll out and score this rank's generations of one prompt, micro-batch by micro-batch."""
+    def _scored_groups(self, inputs: StepInputs, first, timer: PhaseTimer) -> Iterator[tuple[GroupRecord, object]]:
+        """This rank's groups in update order with their rewards gathered, each with its schedule (None: a later
+        update's). With async scoring a group is handed on after the next group's rollout, the background
+        scoring of the one overlapping the other (and the update of the group handed on before)."""
+        plan = self.plan
+        scoring = None
+        for share in sorted(self.shares, key=lambda s: (plan.update_of(s.prompt_slot), s.prompt_slot)):
+            schedule = first if plan.update_of(share.prompt_slot) == 0 else None
+            group = self._roll_out_group(inputs, share, schedule, timer)
+            if not plan.async_scoring:
+                yield group, schedule
+                continue
+            if scoring is not None:
+                yield self._join_group(*scoring, timer), scoring[1]
+            scoring = (group, schedule)
+        if scoring is not None:
+            yield self._join_group(*scoring, timer), scoring[1]
+
+    def _submit(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> Future:
+        """A Future of ``reward_fn``'s rewards: its own ``submit`` where it has one, else a worker thread."""
+        submit = getattr(self.reward_fn, "submit", None)
+        if callable(submit):
+            return submit(final_latents, prompt_ids)
+        if self._scorer is None:
+            self._scorer = ThreadPoolExecutor(1, thread_name_prefix="reward")
+        return self._scorer.submit(self.reward_fn, final_latents, prompt_ids)
+
+    def _join_group(self, group: ScoringGroup, schedule, timer: PhaseTimer) -> GroupRecord:
+        """Wait for a group's rewards, micro-batch by micro-batch, and gather them (async scoring)."""
+        rewards = []
+        for mb, (traj, score) in enumerate(zip(group.trajectories, group.scores)):
+            with timer.phase("reward"):
+                local = _check_rewards(score.result(), traj.final_latents.shape[0])
+            if schedule is not None:
+                schedule.on_rewards((group.share.prompt_slot, mb), local)
+            rewards.append(local)
+        return self._gathered(group.share, group.trajectories, rewards, timer)
+
+    def _roll_out_group(self, inputs: StepInputs, share: PromptShare, schedule,
+                        timer: PhaseTimer) -> GroupRecord | ScoringGroup:
+        """Roll out and score this rank's generations of one prompt, micro-batch by micro-batch (with async
+        scoring: roll out, and submit each micro-batch for scoring)."""
         plan, device = self.plan, self.ctx.device
         gens = list(share.generation_ids)
         trajectories, rewards = [], []
@@ -370,12 +432,23 @@ class StepEngine:
                                on_step=self._with_progress(None if schedule is None
                                                            else schedule.on_step(key, cond)),
                                forward_context=self.precision)
+            trajectories.append(traj)
+            if plan.async_scoring:
+                rewards.append(self._submit(traj.final_latents, prompt_ids))
+                continue
             with timer.phase("reward"):
                 local = _check_rewards(self.reward_fn(traj.final_latents, prompt_ids), len(ids))
             if schedule is not None:
                 schedule.on_rewards(key, local)
-            trajectories.append(traj)
             rewards.append(local)
+        if plan.async_scoring:
+            return ScoringGroup(share=share, trajectories=trajectories, scores=rewards)
+        return self._gathered(share, trajectories, rewards, timer)
+
+    def _gathered(self, share: PromptShare, trajectories: list[Trajectory], rewards: list[torch.Tensor],
+                  timer: PhaseTimer) -> GroupRecord:
+        """The group's record once this rank's rewards are known: the whole group's rewards gathered."""
+        plan, device = self.plan, self.ctx.device
         with timer.phase("reward"):
             group = gather_group_rewards(torch.cat(rewards).to(device), share, plan.group_size,
                                          self.gather_groups.get(share.group_ranks))

@@ -20,7 +20,9 @@ import logging
 import os
 import resource
 import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -87,7 +89,13 @@ class NonFiniteGuard:
 
 
 class RewardBridge:
-    """The step engine's ``reward_fn``: decode latents, score them, keep sample images, capture reward errors."""
+    """The step engine's ``reward_fn``: decode latents, score them, keep sample images, capture reward errors.
+
+    :meth:`submit` does the same in the background (``reward.async_scoring``): one worker thread decodes the
+    batches in submission order and hands each to the reward's ``submit``, so that a remote reward's requests
+    are in flight while the next batch decodes. Errors and sample images are kept in submission order, so a
+    step reports what a synchronous one would.
+    """
 
     def __init__(self, data: build.DataParts, config: Config) -> None:
         self.data = data
@@ -95,27 +103,129 @@ class RewardBridge:
         self.height, self.width = config.sampler.height, config.sampler.width
         self.error: Optional[str] = None
         self.capture = False
-        self.samples: list[tuple] = []
+        self._lock = threading.Lock()
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self.begin_step(False)
 
     def begin_step(self, capture: bool) -> None:
         """Reset the per-step state; ``capture`` keeps this step's images for a sample grid."""
-        self.error, self.capture, self.samples = None, capture, []
+        with self._lock:
+            self.error, self.capture = None, capture
+            self._error_at: Optional[int] = None
+            self._samples: dict[int, list] = {}
+            self._calls = 0
+
+    @property
+    def samples(self) -> list[tuple]:
+        """(uint8 image, prompt, reward, prompt id) of this step's captured generations, in call order."""
+        with self._lock:
+            return [item for index in sorted(self._samples) for item in self._samples[index]]
+
+    def _next_call(self) -> int:
+        with self._lock:
+            self._calls += 1
+            return self._calls
+
+    def _failed(self, index: int, message: str) -> None:
+        """Keep the error of the earliest failing call (the one a synchronous step would stop at)."""
+        with self._lock:
+            if self._error_at is None or index < self._error_at:
+                self.error, self._error_at = message, index
+
+    def _decode(self, final_latents: torch.Tensor) -> torch.Tensor:
+        size = {"height": self.height, "width": self.width} if self.family == "flux" else {}
+        return self.data.decoder.decode(final_latents, **size).images
+
+    def _keep(self, index: int, images: torch.Tensor, prompts: list, rewards: torch.Tensor,
+              prompt_ids: torch.Tensor) -> None:
+        if self.capture:
+            items = list(zip(to_uint8(images), prompts, rewards.tolist(), prompt_ids.tolist()))
+            with self._lock:
+                self._samples[index] = items
 
     def __call__(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
         """(B,) rewards of ``final_latents``; zeros after a reward error (the step is then abandoned)."""
         prompts = self.data.dataset.get([int(i) for i in prompt_ids.tolist()])
+        index = self._next_call()
         if self.error is not None:
             return torch.zeros(len(prompts))
-        size = {"height": self.height, "width": self.width} if self.family == "flux" else {}
-        images = self.data.decoder.decode(final_latents, **size).images
+        images = self._decode(final_latents)
         try:
             rewards = self.data.reward(images, prompts)
         except RewardError as err:
-            self.error = str(err)
+            self._failed(index, str(err))
             return torch.zeros(len(prompts))
-        if self.capture:
-            self.samples.extend(zip(to_uint8(images), prompts, rewards.tolist(), prompt_ids.tolist()))
+        self._keep(index, images, prompts, rewards, prompt_ids)
         return rewards
+
+    def submit(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> "Future[torch.Tensor]":
+        """A Future of what calling the bridge returns; decoding and scoring run in the background.
+
+        ``final_latents`` must not change until the Future is done. A reward error resolves the Future to
+        zeros and sets :attr:`error` (as a call does); any other failure is the Future's exception.
+        """
+        prompts = self.data.dataset.get([int(i) for i in prompt_ids.tolist()])
+        index = self._next_call()
+        outer: Future = Future()
+        if self.error is not None:
+            outer.set_result(torch.zeros(len(prompts)))
+            return outer
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="reward-decode")
+            executor = self._executor
+        stream = torch.cuda.current_stream(final_latents.device) if final_latents.is_cuda else None
+
+        def settle(images: torch.Tensor, done: Future) -> None:
+            try:
+                rewards = done.result()
+            except RewardError as err:
+                self._failed(index, str(err))
+                outer.set_result(torch.zeros(len(prompts)))
+                return
+            except BaseException as exc:  # noqa: BLE001 -- the engine re-raises it where it joins the Future
+                outer.set_exception(exc)
+                return
+            try:
+                self._keep(index, images, prompts, rewards, prompt_ids)
+            except BaseException as exc:  # noqa: BLE001
+                outer.set_exception(exc)
+                return
+            outer.set_result(rewards)
+
+        def decode_and_score() -> None:
+            try:
+                # The worker decodes on the caller's device and stream, after the rollout that made the latents.
+                device = contextlib.nullcontext() if stream is None else torch.cuda.device(final_latents.device)
+                with device, (contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
+                    images = self._decode(final_latents)
+                    submit = getattr(self.data.reward, "submit", None)
+                    if callable(submit):
+                        scoring = submit(images, prompts)
+                    else:  # a bare reward callable: score it here, on the decoding thread
+                        scoring = Future()
+                        scoring.set_result(self.data.reward(images, prompts))
+            except RewardError as err:
+                scoring = Future()
+                scoring.set_exception(err)
+                images = None
+            except BaseException as exc:  # noqa: BLE001
+                outer.set_exception(exc)
+                return
+            scoring.add_done_callback(lambda done: settle(images, done))
+
+        executor.submit(decode_and_score)
+        return outer
+
+    def close(self) -> None:
+        """Stop the background threads (after what was submitted), the reward's included."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        close = getattr(self.data.reward, "close", None)
+        if callable(close):
+            close()
 
 
 @dataclass
@@ -239,6 +349,7 @@ class Trainer:
                     self._save(step)
             self._finish_save()
         finally:
+            self.bridge.close()
             self.metrics.close()
             self.progress.close()
         self._summary()

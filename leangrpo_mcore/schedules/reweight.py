@@ -15,7 +15,9 @@ Options and exactness (never approximate silently):
   not grow with the generations per rank. Exact whenever the clamp cannot fire: |A| ≤ sqrt(M − 1) (ddof 0)
   or (M − 1)/sqrt(M) (ddof 1) per group. :func:`plan_reweight` falls back to per-sample buffers otherwise.
 - KL (β > 0): its gradient does not scale with A_i, so it is backpropagated separately (a second backward
-  of the same graph) into an unscaled accumulator that joins the group's reduction.
+  of the same graph) into an unscaled accumulator that joins the group's reduction (one accumulator per
+  group, so that a group rolled out while the one before still waits for its rewards keeps its own; with
+  global std one for the whole step, reduced with the first group).
 - global std: A_i = (r_i − mean_g)/(std_global + eps). When the clamp provably cannot fire, each group's
   Σ (r_i − mean_g)·P_i is folded as soon as the group's rewards are gathered and the sum is multiplied by
   α = 1/(std_global + eps) once at the end of the update. Otherwise the per-sample buffers are kept until
@@ -72,6 +74,8 @@ class ReweightPlan:
     provisional_dtype: Optional[str] = None
     """dtype the provisional gradients wait in (``float32`` / ``bfloat16``; None: as the backward leaves them).
     They go back to the gradient slot's dtype for every further backward and for the reduction."""
+    global_std: bool = False
+    """Advantages wait for the whole step: the KL of every group is accumulated together."""
 
 
 def plan_reweight(accumulate: str, *, advantage: str, group_size: int, prompts_per_step: int,
@@ -83,10 +87,10 @@ def plan_reweight(accumulate: str, *, advantage: str, group_size: int, prompts_p
     bound = max_abs_advantage(advantage, group_size, total)
     safe = adv_clip_max is None or bound <= adv_clip_max
     if safe:
-        return ReweightPlan(accumulate=accumulate, global_fold=global_std)
+        return ReweightPlan(accumulate=accumulate, global_fold=global_std, global_std=global_std)
     note = (f"|A| can reach {bound:.3g} > adv_clip_max {adv_clip_max}: the clamp may fire, so each sample keeps "
             f"its own provisional gradient until its exact advantage is known")
-    return ReweightPlan(accumulate="per_sample", global_fold=False, note=note)
+    return ReweightPlan(accumulate="per_sample", global_fold=False, note=note, global_std=global_std)
 
 
 def _scaled_sum(terms: list[tuple[float, LocalGrads]]) -> LocalGrads:
@@ -115,7 +119,8 @@ class ReweightSchedule(Schedule):
         super().begin_update(weight)
         self._partial: dict[tuple[int, int, int], LocalGrads] = {}
         self._unit_loss: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._kl: Optional[LocalGrads] = None
+        self._kl: dict[int, LocalGrads] = {}
+        self._kl_losses: dict[int, list[torch.Tensor]] = {}
         self._affine: dict[int, list] = {}
         self._folded: Optional[LocalGrads] = None
         self._alpha: Optional[float] = None
@@ -142,7 +147,7 @@ class ReweightSchedule(Schedule):
         return [g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes)]
 
     def _track_buffers(self) -> None:
-        live = len(self._partial) + sum(2 for _ in self._affine) + (self._kl is not None) + (self._folded is not None)
+        live = len(self._partial) + sum(2 for _ in self._affine) + len(self._kl) + (self._folded is not None)
         self.stats.max_local_grad_buffers = max(self.stats.max_local_grad_buffers, live)
 
     def on_step(self, key: UnitKey, conditioning: Conditioning) -> Callable[[StepRecord], None]:
@@ -157,8 +162,9 @@ class ReweightSchedule(Schedule):
                               record.sigma, record.sigma_next, conditioning)
             if kl is not None:
                 kl_part = kl_unit_loss(kl, train, self.weight, objective)
-                self._kl = self._backward_into(self._kl, kl_part, True)
-                self.stats.losses.append(kl_part.detach())
+                group = self._kl_group(key[0])
+                self._kl[group] = self._backward_into(self._kl.get(group), kl_part, True)
+                self._kl_losses.setdefault(group, []).append(kl_part.detach())
             rows = train.nonzero().flatten().tolist()
             ones = torch.ones_like(log_prob.detach())
             for n, row in enumerate(rows):
@@ -172,6 +178,10 @@ class ReweightSchedule(Schedule):
             self._track_buffers()
 
         return backward_now
+
+    def _kl_group(self, index: int) -> int:
+        """Key of the KL accumulator of group ``index``: its own, or the step's one with global std."""
+        return -1 if self.plan.global_std else index
 
     # ------------------------------------------------------------------ rewards and advantages
     def on_rewards(self, key: UnitKey, rewards: torch.Tensor) -> None:
@@ -229,12 +239,13 @@ class ReweightSchedule(Schedule):
 
     def on_advantages(self, group: GroupUpdate) -> None:
         """Scale the group's provisional gradients by their advantages and reduce them (one collective)."""
+        self.stats.losses.extend(self._kl_losses.pop(self._kl_group(group.index), []))
         self._record_loss(group)
         if self.plan.global_fold:
             self._alpha = group.alpha
             return
         with self.ctx.phase("sync"):  # the correction belongs to the sync stage: correction → sync → accumulation
-            self._reduce(self._corrected(group))
+            self._reduce(self._corrected(group), self._kl_group(group.index))
 
     def _corrected(self, group: GroupUpdate) -> Optional[LocalGrads]:
         """Σ_i A_i·P_i of the group, formed before any cross-sample reduction (consumes the buffers)."""
@@ -251,10 +262,13 @@ class ReweightSchedule(Schedule):
                      if (group.index, mb, row) in self._partial]
         return _scaled_sum(terms) if terms else None
 
-    def _reduce(self, combined: Optional[LocalGrads]) -> None:
-        if self._kl is not None:
-            combined = self._kl if combined is None else grads_add_(combined, self._kl)
-            self._kl = None
+    def _reduce(self, combined: Optional[LocalGrads], kl_group: Optional[int] = None) -> None:
+        """Reduce ``combined`` with the KL accumulator of ``kl_group`` (None: with every one left)."""
+        keys = sorted(self._kl) if kl_group is None else [kl_group]
+        for key in keys:
+            kl = self._kl.pop(key, None)
+            if kl is not None:
+                combined = kl if combined is None else grads_add_(combined, kl)
         if combined is not None:
             self.ctx.grad_sync.reduce_local(self._to_slot(combined))
 
@@ -262,6 +276,8 @@ class ReweightSchedule(Schedule):
         """Apply the global α to the folded sum, reduce what is left, publish the gradients."""
         if self._partial or self._affine:
             raise RuntimeError("Reweight update finished with provisional gradients that never got an advantage")
+        for group in sorted(self._kl_losses):
+            self.stats.losses.extend(self._kl_losses.pop(group))
         folded, self._folded = self._folded, None
         with self.ctx.phase("sync"):
             if folded is not None:

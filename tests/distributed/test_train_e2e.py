@@ -31,6 +31,8 @@ LORA = ("model.lora.rank=4", "model.lora.alpha=8", "train.ema_decay=0.5")
 # into a different byte count, and so different advantages. Cross-TP comparisons use a reward that is smooth
 # in the pixels instead.
 SMOOTH = ("reward.name=mean_intensity_for_tests",)
+# Background scoring (reward.async_scoring) against synchronous scoring: LoRA with a KL term, two steps.
+BACKGROUND = ("model.lora.rank=4", "model.lora.alpha=8", "grpo.kl_beta=0.05", "train.max_steps=2")
 
 if "nan_on_rank1" not in REWARDS:
     @register_reward("nan_on_rank1")
@@ -175,7 +177,11 @@ def _world2_runs(rank, world_size, root):
             ["--config", TINY["wan"], f"train.output_dir={root}/resumed", "checkpoint.resume=auto"],
             ["--config", TINY["wan"], f"train.output_dir={root}/nan", "reward.name=nan_on_rank1"],
             ["--config", TINY["wan"], f"train.output_dir={root}/tp3", "parallel.tp=3"],
-            ["--config", TINY["flux"], f"train.output_dir={root}/tp2", "parallel.tp=2", *LORA, *SMOOTH]]
+            ["--config", TINY["flux"], f"train.output_dir={root}/tp2", "parallel.tp=2", *LORA, *SMOOTH],
+            *[["--config", TINY["flux"], f"train.output_dir={root}/{name}", *BACKGROUND, *extra]
+              for name, extra in (("bg_sync", ()), ("bg_async", ("reward.async_scoring=true",)))],
+            ["--config", TINY["flux"], f"train.output_dir={root}/bg_nan", "reward.name=nan_on_rank1",
+             "reward.async_scoring=true"]]
     return [_main_capturing(argv) for argv in runs]
 
 
@@ -189,7 +195,7 @@ def world2_runs(tmp_path_factory):
 def test_wan_world2_and_bad_input_stops_every_rank(world2_runs):
     root, results = world2_runs
     for rank, rank_results in enumerate(results):
-        assert [code for code, _, _ in rank_results] == [0, 0, 0, 2, 2, 0]
+        assert [code for code, _, _ in rank_results[:6]] == [0, 0, 0, 2, 2, 0]
         assert not any(traceback for _, _, traceback in rank_results)
         errors = [lines for _, lines, _ in rank_results]
         # Every rank stops with exit code 2, the job prints the line once: rank 0 in this harness, which has no
@@ -201,6 +207,23 @@ def test_wan_world2_and_bad_input_stops_every_rank(world2_runs):
     _check_run_dir(root / "wan2", 3)
     assert os.listdir(root / "nan" / "checkpoints") == []
     assert not (root / "tp3").exists()
+
+
+def test_world2_background_scoring_is_the_synchronous_run_and_its_errors_stop_every_rank(world2_runs):
+    root, results = world2_runs
+    for rank, rank_results in enumerate(results):
+        assert [(code, lines) for code, lines, _ in rank_results[6:8]] == [(0, []), (0, [])]
+        code, lines, traceback = rank_results[8]
+        printed = ["error: reward 'nan_on_rank1' returned 1 non-finite values"] if rank == 0 else []  # once per job
+        assert (code, lines, traceback) == (2, printed, False)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "max_rss"))} for r in rows]
+    assert strip(_rows(root / "bg_async")) == strip(_rows(root / "bg_sync")) and len(_rows(root / "bg_sync")) == 2
+    mine = model_tensors(root / "bg_async" / "checkpoints" / "step_2")
+    ref = model_tensors(root / "bg_sync" / "checkpoints" / "step_2")
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    assert (root / "bg_async" / "samples" / "step_2.png").read_bytes() == \
+        (root / "bg_sync" / "samples" / "step_2.png").read_bytes()
+    assert os.listdir(root / "bg_nan" / "checkpoints") == []
 
 
 def test_fsdp_resume_at_world2_is_bit_identical(world2_runs):

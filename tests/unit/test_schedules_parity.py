@@ -55,6 +55,8 @@ class Case:
     tp: int = 1
     reshard: Optional[bool] = None
     """parallel.reshard_after_forward (False: parameters stay gathered until the optimizer step; None: auto)."""
+    async_scoring: bool = False
+    """reward.async_scoring: each group scored in the background during the next group's rollout."""
 
     def but(self, **changes) -> "Case":
         """A copy with ``changes``."""
@@ -143,7 +145,7 @@ def _full(t: torch.Tensor, param: torch.nn.Parameter) -> np.ndarray:
     return gather_tensor(whole, param).detach().clone().numpy()
 
 
-def run_case(case: Case) -> Outcome:
+def run_case(case: Case, reward_fn=None) -> Outcome:
     """Build the tiny policy (FSDP2 over the data-parallel ranks when distributed) and run one step."""
     ctx = build_parallel_context(Layout(tp=case.tp))
     policy, velocity, shape, sigmas, kind, noise, cond = _setup(case)
@@ -157,11 +159,12 @@ def run_case(case: Case) -> Outcome:
         advantage=case.advantage, adv_clip_max=case.adv_clip_max, global_std=case.global_std, layout=case.layout,
         micro_batch=case.micro_batch, updates_per_rollout=case.updates, sync=case.sync,
         reweight_accumulate=case.accumulate, max_grad_norm=1.0, seed=3, reshard_after_forward=case.reshard,
+        async_scoring=case.async_scoring,
     )
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = RecordingSGD(params, lr=0.5)
-    engine = StepEngine(plan, policy=policy, velocity_fn=velocity, ctx=ctx, optimizer=optimizer, reward_fn=_reward,
-                        keep_trajectories=True)
+    engine = StepEngine(plan, policy=policy, velocity_fn=velocity, ctx=ctx, optimizer=optimizer,
+                        reward_fn=reward_fn or _reward, keep_trajectories=True)
     result = engine.step(StepInputs(step=5, conditioning=cond, prompt_ids=torch.arange(case.prompts)))
     pieces = [torch.cat([t.latents.flatten(), t.next_latents.flatten(), t.log_probs.flatten()])
               for slot in sorted(result.trajectories) for t in result.trajectories[slot]]
