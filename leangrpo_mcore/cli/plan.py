@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=float, default=default, help=f"{text} (default: {default})")
     p.add_argument("--top", type=int, default=0, help="table: show only the N best candidates (0 = all)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (every candidate)")
+    p.add_argument("--simulate", nargs="?", const="chosen", choices=("chosen", "all"),
+                   help="also run the step of the chosen candidate (all: of the best candidate of each schedule) "
+                        "under fake tensors on this CPU, one rank at the planned world size, and report its "
+                        "simulated peak memory next to the predicted one (minutes per candidate)")
     return add_version_flag(p)
 
 
@@ -132,6 +136,19 @@ def check_numbers(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} must be >= 0, got {value}")
 
 
+def plan_config(args: argparse.Namespace, work: Workload) -> "Config":
+    """The experiment config the plan is for: the YAML config as written, or the one the flags describe."""
+    from leangrpo_mcore.config import load_config
+    from leangrpo_mcore.parallel.simulate_plan import flags_config
+
+    path = args.config or (args.model if args.model and args.model.endswith((".yaml", ".yml")) else None)
+    if path:
+        return load_config(path, args.overrides)
+    height, width = _resolution(args.resolution)
+    cfg_scale = _pick(args.cfg_scale, DEFAULT_CFG_SCALE[work.arch.family])
+    return flags_config(work, height=height, width=width, frames=_pick(args.frames, 1), cfg_scale=cfg_scale)
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Hardware and workload from ``args``, then :func:`leangrpo_mcore.parallel.layout.plan`."""
     check_numbers(args)
@@ -190,10 +207,40 @@ def render(result: Plan, top: int = 0) -> str:
     return "\n".join(lines)
 
 
+def render_simulations(result: Plan, sims: dict[int, dict]) -> str:
+    """The simulated peaks against the predicted ones, one line per simulated candidate."""
+    lines = ["", "simulated (one rank's real step under fake tensors; reserved memory added as predicted):",
+             f"{'schedule':9}{'tp':>3}{'shard':>6}{'repl':>5}{'ckpt':>5}{'predicted GiB':>15}{'simulated GiB':>15}"
+             f"{'ratio':>7}{'sim s':>7}  biggest simulated terms"]
+    for index, sim in sims.items():
+        c = result.candidates[index]
+        terms = sorted(sim["simulated_breakdown"].items(), key=lambda kv: -kv[1])[:3]
+        shown = ", ".join(f"{k} {v / GiB:.1f}" for k, v in terms if v)
+        lines.append(f"{c.schedule:9}{c.layout.tp:>3}{c.layout.dp_shard:>6}{c.layout.dp_replicate:>5}"
+                     f"{'on' if c.activation_checkpointing else 'off':>5}{c.peak_mem_bytes / GiB:>15.1f}"
+                     f"{sim['simulated_peak_bytes'] / GiB:>15.1f}{sim['simulated_over_predicted']:>7.2f}"
+                     f"{sim['simulated_seconds']:>7.0f}  {shown}")
+    return "\n".join(lines)
+
+
 def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     result = make_plan(args)
-    print(json.dumps(result.to_dict(), indent=1) if args.json else render(result, args.top))
+    sims: dict[int, dict] = {}
+    if args.simulate:
+        from leangrpo_mcore.parallel.simulate_plan import simulate_plan
+
+        sims = simulate_plan(result, plan_config(args, result.workload), args.simulate,
+                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        data = result.to_dict()
+        for index, sim in sims.items():
+            data["candidates"][index].update(sim)
+            if result.chosen is result.candidates[index]:
+                data["chosen"].update(sim)
+        print(json.dumps(data, indent=1))
+    else:
+        print(render(result, args.top) + (render_simulations(result, sims) if sims else ""))
     return 0 if result.ok else 1
 
 

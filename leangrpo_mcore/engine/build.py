@@ -152,10 +152,12 @@ def precision_of(config: Config, pctx: ParallelContext) -> RunPrecision:
     return precision
 
 
-def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrecision) -> PolicyParts:
+def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrecision, *,
+                       fill_values: bool = True) -> PolicyParts:
     """Policy (+LoRA) built on the meta device, TP layout record, FSDP2 (casting to the compute dtype) applied on
     the meta model, then only this rank's shards allocated in the master dtype and filled (seeded init, or read
-    box by box from ``model.path``); then optimizer, LR schedule and EMA shadows. No rank holds the full model."""
+    box by box from ``model.path``; not at all with ``fill_values=False``, for a simulation); then optimizer, LR
+    schedule and EMA shadows. No rank holds the full model."""
     m = config.model
     files = read_policy_files(m.path) if m.path is not None else None
     if files is not None:
@@ -179,7 +181,8 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
     tp_layout = capture_tp_layout(policy)
     materialize(policy, pctx.device, seed=m.seed, files=files, layout=tp_layout,
                 wrap=lambda model: apply_fsdp(model, pctx, param_dtype=precision.compute,
-                                              reduce_dtype=precision.reduce, cast_only=precision.casts))
+                                              reduce_dtype=precision.reduce, cast_only=precision.casts),
+                fill_values=fill_values)
     params = trainable_parameters(policy)
     optimizer = build_optimizer(params, config.optim)
     scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps)

@@ -315,6 +315,10 @@ class StepEngine:
         self.gather_groups = (build_group_process_groups(plan.layout, ctx.dp_size, plan.group_size,
                                                          ctx.dp_global_ranks) if ctx.dp_size > 1 else {})
         self._scorer: Optional[ThreadPoolExecutor] = None
+        self.active_schedule = None
+        """The schedule of the update in progress (or last run)."""
+        self.phase_listener: Optional[Callable[[str, bool], None]] = None
+        """Told of every phase of a step entered and left (see :class:`PhaseTimer`)."""
 
     def _schedule(self, name: str, timer: PhaseTimer):
         sync = GradSync(self.policy, self.ctx, mode=self.plan.sync_mode(), phase=timer.phase)
@@ -328,7 +332,7 @@ class StepEngine:
             raise ValueError(f"step inputs have {inputs.conditioning.num_samples} prompts, "
                              f"expected prompts_per_step={self.plan.prompts_per_step}")
         meter = MemoryMeter(self.ctx.device) if self.measure_memory else contextlib.nullcontext()
-        timer = PhaseTimer()
+        timer = PhaseTimer(self.phase_listener)
         self._rolled = 0
         with meter:
             result = self._run(inputs, timer)
@@ -341,6 +345,7 @@ class StepEngine:
         reshard_policy(self.policy)  # a forward outside the engine (samples, probes) may have left units gathered
         set_gathered(self.policy, plan.keeps_gathered(self.ctx))
         first = self._schedule(plan.schedule, timer)
+        self.active_schedule = first
         first.begin_update(loss_weight(plan.samples_per_update, plan.steps_per_sample))
         records: list[GroupRecord] = []
         for record, schedule in self._scored_groups(inputs, first, timer):
@@ -361,6 +366,7 @@ class StepEngine:
         updates = [self._finish(first, timer)]
         for k in range(1, plan.updates_per_rollout):
             native = self._schedule("native", timer)
+            self.active_schedule = native
             native.begin_update(loss_weight(plan.samples_per_update, plan.steps_per_sample))
             for record in records:
                 if plan.update_of(record.share.prompt_slot) == k:

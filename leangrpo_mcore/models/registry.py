@@ -186,8 +186,9 @@ def full_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 def materialize(model: torch.nn.Module, device: Union[str, torch.device], *, seed: int,
                 files: Optional[PolicyFiles] = None, wrap: Optional[Callable[[torch.nn.Module], Any]] = None,
-                layout: Optional[Mapping[str, torch.Tensor]] = None) -> torch.nn.Module:
-    """Allocate a :func:`meta_policy` model's shards on ``device`` and fill them.
+                layout: Optional[Mapping[str, torch.Tensor]] = None, fill_values: bool = True) -> torch.nn.Module:
+    """Allocate a :func:`meta_policy` model's shards on ``device`` and fill them (``fill_values=False``: leave them
+    as allocated, for a simulation that never reads them).
 
     ``wrap(model)`` runs on the meta model first (FSDP2 sharding), so only this rank's shards are allocated.
     Parameters in ``files`` are read from it box by box; the others (all without files, or adapters added on
@@ -207,6 +208,8 @@ def materialize(model: torch.nn.Module, device: Union[str, torch.device], *, see
         for attr, value in attrs.get(name, {}).items():
             if not hasattr(param, attr):
                 setattr(param, attr, value)
+    if not fill_values:
+        return model
     random = random_boxes(rules, shapes, seed)
     if files is None:
         fill(model, layout, random)

@@ -173,9 +173,12 @@ class UpdateStats:
 class PhaseTimer:
     """Exclusive wall-clock time per phase; a nested phase pauses its parent's clock (the ``phase`` hook)."""
 
-    def __init__(self) -> None:
+    def __init__(self, listener: Optional[Callable[[str, bool], None]] = None) -> None:
+        """``listener(name, entering)`` is told of every phase entered and left (a memory simulation labels
+        allocations by phase)."""
         self.totals: dict[str, float] = defaultdict(float)
         self._stack: list[list] = []
+        self.listener = listener
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -184,9 +187,13 @@ class PhaseTimer:
         if self._stack:
             self.totals[self._stack[-1][0]] += now - self._stack[-1][1]
         self._stack.append([name, now])
+        if self.listener is not None:
+            self.listener(name, True)
         try:
             yield
         finally:
+            if self.listener is not None:
+                self.listener(name, False)
             end = time.perf_counter()
             current = self._stack.pop()
             self.totals[name] += end - current[1]
@@ -255,6 +262,10 @@ class Schedule:
 
     def on_advantages(self, group: GroupUpdate) -> None:
         """``group.advantages`` are known: contribute the group's gradient."""
+
+    def held_gradients(self) -> Iterator[torch.Tensor]:
+        """Gradient tensors the schedule holds outside the parameters' ``.grad`` (none here)."""
+        return iter(())
 
     def finish_update(self) -> UpdateStats:
         """Complete the update: every gradient reduced into the parameters' ``.grad``."""

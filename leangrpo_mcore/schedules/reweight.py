@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -145,6 +145,17 @@ class ReweightSchedule(Schedule):
         if dtypes is None or self.plan.provisional_dtype is None:
             return grads
         return [g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes)]
+
+    def held_gradients(self) -> Iterator[torch.Tensor]:
+        """The provisional gradients and accumulators held now."""
+        held = [*self._partial.values(), *self._kl.values(), *(acc[1:] for acc in self._affine.values()),
+                self._folded]
+        for item in held:
+            for tensor in (item or ()):
+                if isinstance(tensor, torch.Tensor):
+                    yield tensor
+                elif isinstance(tensor, (list, tuple)):
+                    yield from (t for t in tensor if isinstance(t, torch.Tensor))
 
     def _track_buffers(self) -> None:
         live = len(self._partial) + sum(2 for _ in self._affine) + len(self._kl) + (self._folded is not None)

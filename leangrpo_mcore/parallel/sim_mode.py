@@ -1,0 +1,289 @@
+"""Running the real training step without its memory: large tensors fake, small ones real, every storage counted.
+
+:class:`SimulationMode` is a dispatch mode for simulating one rank of a full-size run in one CPU process:
+
+- Tensors of more than :data:`SMALL_NUMEL` elements are *fake* (``FakeTensorMode``: shape, dtype, device and
+  strides, no data, no compute). The parameters are built fake, so everything computed from them (policy
+  activations, gradients, FSDP2's all-gather and reduce-scatter buffers, optimizer state) is fake too.
+- Small tensors stay real and are computed for real: sigmas, selection masks, seeds, rewards, advantages, group
+  statistics. The step's control flow (which steps train, which samples a rank owns, advantage clamps) therefore
+  runs on real values, exactly as in training.
+- Reading a Python number out of a fake tensor (``float(loss)``, a ratio statistic, the gradient norm) cannot
+  give the real value; it gives :data:`FAKE_FLOAT` (or 1 / True), and :attr:`SimulationMode.fake_reads` counts
+  them, so a report can say how many values were made up (none of them decides memory).
+- Every storage allocated under the mode, real or fake, is counted with its byte size from allocation until the
+  storage dies (FSDP2's storage resizes included), under the *label* active when it was allocated. The highest
+  live total is the peak; :meth:`MemoryLedger.at_peak` gives it by label, with storages later identified as
+  parameters, gradients or optimizer state (:meth:`MemoryLedger.mark`) counted under those.
+
+The facts this relies on (from torch's own memory estimators): a mode sees ops on DTensors before DTensor
+desugars them, so it returns ``NotImplemented`` for those and sees the local ops instead; DTensor's sharding
+propagation runs ops on fake tensors of its own fake mode, which are not allocations; ``UntypedStorage.resize_``
+bypasses the dispatcher and has to be wrapped; the fake ``wait_tensor`` returns a new tensor where the real one
+returns its input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import defaultdict
+from typing import Any, Iterator, Optional
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten  # noqa: F401  (kept for _to_fake)
+from torch.utils.weak import WeakIdKeyDictionary
+
+SMALL_NUMEL = 1 << 20
+"""Tensors up to this many elements are real (4 MiB in float32): latents, sigmas, masks, rewards."""
+FAKE_FLOAT = 1.0
+"""What reading a float out of a fake tensor gives."""
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+             torch.ops.aten._unsafe_index.Tensor}
+
+
+def _real_mask_indices(args: tuple) -> tuple:
+    """Indexing a fake tensor with a real boolean mask: the mask as the positions it selects (computed for real),
+    so the result's shape is known (a fake mask's would depend on data)."""
+    indices = list(args[1])
+    for i, index in enumerate(indices):
+        if isinstance(index, torch.Tensor) and not isinstance(index, FakeTensor) and index.dtype == torch.bool:
+            positions = index.nonzero(as_tuple=True)
+            indices[i:i + 1] = list(positions)
+    return (args[0], indices, *args[2:])
+
+
+class MemoryLedger:
+    """Live bytes of the counted storages, by label, and the state at the highest total."""
+
+    def __init__(self) -> None:
+        self._info = WeakIdKeyDictionary()  # storage -> [serial, nbytes, label]
+        self._live: dict[int, list] = {}
+        self._serial = 0
+        self._marks: dict[int, str] = {}
+        self.label = "other"
+        """Label given to storages allocated now."""
+        self.total = 0
+        """Live bytes now."""
+        self.peak = 0
+        """Highest live total so far."""
+        self._peak_live: dict[int, tuple[int, str]] = {}
+        self._peak_stale = False
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage`` from now until it dies (once)."""
+        if storage in self._info:
+            return
+        self._serial += 1
+        entry = [self._serial, storage.nbytes(), self.label]
+        self._info[storage] = entry
+        self._live[entry[0]] = entry
+        weakref.finalize(storage, self._remove, entry[0])
+        self._grow(entry[1])
+
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` changed size (FSDP2 frees and re-allocates unsharded parameters by resizing)."""
+        entry = self._info.get(storage)
+        if entry is None:
+            return
+        change = storage.nbytes() - entry[1]
+        entry[1] = storage.nbytes()
+        self._grow(change)
+
+    def _remove(self, serial: int) -> None:
+        entry = self._live.pop(serial, None)
+        if entry is not None:
+            self._grow(-entry[1])
+
+    def _grow(self, change: int) -> None:
+        self.total += change
+        if self.total > self.peak:
+            self.peak = self.total
+            self._peak_stale = True
+        elif self._peak_stale and change < 0:
+            self._capture()
+
+    def _capture(self) -> None:
+        """Remember who was live at the peak (taken lazily: at the first free after a new peak)."""
+        self._peak_live = {serial: (entry[1], entry[2]) for serial, entry in self._live.items()}
+        self._peak_stale = False
+
+    def mark(self, tensors: Iterator[torch.Tensor], label: str) -> None:
+        """Count the storages of ``tensors`` under ``label`` (parameters, gradients, optimizer state), at the
+        peak too when they were live then."""
+        for tensor in tensors:
+            if isinstance(tensor, DTensor):
+                tensor = tensor._local_tensor
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            entry = self._info.get(tensor.untyped_storage())
+            if entry is not None:
+                entry[2] = label
+                self._marks[entry[0]] = label
+
+    def reset_peak(self) -> None:
+        """Start a new peak at the current level (e.g. at the start of the measured step)."""
+        self.peak = self.total
+        self._capture()
+
+    def at_peak(self) -> dict[str, int]:
+        """Bytes by label at the highest total."""
+        if self._peak_stale:
+            self._capture()
+        out: dict[str, int] = defaultdict(int)
+        for serial, (nbytes, label) in self._peak_live.items():
+            out[self._marks.get(serial, label)] += nbytes
+        return dict(out)
+
+    @contextlib.contextmanager
+    def labelled(self, label: str) -> Iterator[None]:
+        """Allocations inside the block get ``label``."""
+        before, self.label = self.label, label
+        try:
+            yield
+        finally:
+            self.label = before
+
+
+def _tensors(tree: Any, out: list) -> list:
+    """The tensors in nested tuples, lists and dicts (a fast tree flatten for op arguments)."""
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+    elif isinstance(tree, (list, tuple)):
+        for item in tree:
+            _tensors(item, out)
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            _tensors(item, out)
+    return out
+
+
+def _numel(outputs: Any) -> int:
+    return max((t.numel() for t in _tensors(outputs, [])), default=0)
+
+
+_TENSOR_ARGS: dict[Any, bool] = {}
+
+
+def _has_tensor_args(func) -> bool:
+    known = _TENSOR_ARGS.get(func)
+    if known is None:
+        known = _TENSOR_ARGS[func] = any("Tensor" in str(arg.type) for arg in func._schema.arguments)
+    return known
+
+
+class SimulationMode(TorchDispatchMode):
+    """See the module docstring. ``with SimulationMode() as sim:`` … ``sim.ledger``, ``sim.fake_mode``."""
+
+    def __init__(self, small_numel: int = SMALL_NUMEL) -> None:
+        super().__init__()
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.ledger = MemoryLedger()
+        self.small_numel = small_numel
+        self.fake_reads = 0
+        """How many Python numbers were read out of fake tensors (made up)."""
+        self._resize = None
+        self._forced = 0
+
+    def __enter__(self) -> "SimulationMode":
+        original = torch.UntypedStorage.resize_
+        ledger = self.ledger
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            ledger.resized(storage)
+            return result
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def all_fake(self) -> Iterator[None]:
+        """Inside the block every new tensor is fake, whatever its size (the parameters, the optimizer state)."""
+        self._forced += 1
+        try:
+            yield
+        finally:
+            self._forced -= 1
+
+    def fake(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A fake copy of a real tensor (no data), counted."""
+        out = self.fake_mode.from_tensor(tensor)
+        self.ledger.add(out.untyped_storage())
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        fakes = [t for t in _tensors((args, kwargs), []) if isinstance(t, FakeTensor)]
+        if fakes:
+            if any(t.fake_mode is not self.fake_mode for t in fakes):
+                return func(*args, **kwargs)  # DTensor's sharding propagation: metadata only, not memory
+            if func is _SCALAR:
+                self.fake_reads += 1
+                dtype = fakes[0].dtype
+                return True if dtype == torch.bool else (FAKE_FLOAT if dtype.is_floating_point else 1)
+            if func is _WAIT:
+                return args[0]
+            if func in _INDEXING:
+                args = _real_mask_indices(args)
+            with self.fake_mode:
+                out = func(*args, **kwargs)
+        elif self._forced or self._creates_large(func, args, kwargs):
+            with self.fake_mode:
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+            if _numel(out) > self.small_numel:
+                out = self._to_fake(out)
+        self._count(out)
+        return out
+
+    def _creates_large(self, func, args, kwargs) -> bool:
+        """Whether an op without fake inputs would make a large tensor (factories: ask the fake mode)."""
+        if _has_tensor_args(func) and not func.__name__.startswith("new_"):
+            return False
+        with self.fake_mode:
+            probe = func(*args, **kwargs)
+        return _numel(probe) > self.small_numel
+
+    def _to_fake(self, out: Any) -> Any:
+        leaves, spec = tree_flatten(out)
+        converted = [self.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+                     and t.numel() > self.small_numel else t for t in leaves]
+        return spec.unflatten(converted)
+
+    def _count(self, out: Any) -> None:
+        for t in _tensors(out, []):
+            if not isinstance(t, DTensor):
+                if isinstance(t, FakeTensor) and t.fake_mode is not self.fake_mode:
+                    continue
+                self.ledger.add(t.untyped_storage())
+
+
+@contextlib.contextmanager
+def real_values() -> Iterator[None]:
+    """Nothing outside a simulation; inside one, everything in the block runs for real, whatever its size."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
+
+
+def is_fake(tensor: Optional[torch.Tensor]) -> bool:
+    """Whether ``tensor`` (or a DTensor's local shard) carries no data."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    return isinstance(tensor, FakeTensor)

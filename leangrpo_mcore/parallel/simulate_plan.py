@@ -1,0 +1,105 @@
+"""``leangrpo-plan --simulate``: the planner's candidates run as real steps under fake tensors.
+
+A candidate (schedule, TP / FSDP degrees, activation checkpointing) of an experiment becomes a :class:`Config`
+(the YAML config as written, or the config the command-line flags describe) and is simulated by
+:func:`leangrpo_mcore.parallel.simulate.simulate`. What the planner counts and a simulation cannot hold — the
+per-GPU overhead outside tensors and the resident reward model, both planner inputs — is added to the simulated
+peak as ``reserved``, so that ``simulated_peak_bytes`` compares directly with ``peak_mem_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from leangrpo_mcore.config import Config
+from leangrpo_mcore.config.loader import build_config
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.cost_model import Estimate
+from leangrpo_mcore.parallel.layout import Plan
+from leangrpo_mcore.parallel.workload import SCHEDULES, Workload
+
+SIMULATE_CHOICES = ("chosen", "all")
+
+
+def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_scale: float) -> Config:
+    """The experiment config that ``leangrpo-plan``'s flags describe (for a preset or a diffusers config)."""
+    arch = work.arch
+    fraction = min(1.0, (work.selected_steps + 0.5) / work.num_steps)  # int(T * fraction) == |S|
+    wan = arch.family == "wan"
+    data = {
+        "model": {"family": arch.family, "preset": None, "arch": dict(arch.config), "backend": "local",
+                  "dtype": "float32" if work.precision.compute_bytes == 4 else "bfloat16",
+                  "master_dtype": "float32", "text_encoder": "hashed", "vae": "tiny",
+                  "text_max_length": int(work.tokens["text"]),
+                  "lora": {"rank": work.lora_rank, "alpha": 2 * max(work.lora_rank, 1),
+                           "targets": list(work.lora_targets) or None}},
+        "sampler": {"sde_kind": "wan" if wan else "flow_grpo", "sigma_schedule": "wan" if wan else "flux",
+                    "num_steps": work.num_steps, "height": height, "width": width, "frames": frames,
+                    "cfg_scale": cfg_scale},
+        "grpo": {"group_size": work.group_size, "prompts_per_step": work.prompts_per_step,
+                 "timestep_selection": work.selection, "timestep_fraction": fraction, "kl_beta": work.kl_beta,
+                 "updates_per_rollout": work.updates_per_rollout, "global_std": work.global_std},
+        "schedule": {"name": "native", "micro_batch": work.micro_batch,
+                     "reweight_accumulate": work.reweight_accumulate},
+        "parallel": {"layout": work.layout, "reshard_after_forward": work.reshard_after_forward,
+                     "reduce_dtype": "float32" if work.precision.buffer_bytes == 4 else "bfloat16"},
+        "optim": {"name": work.optimizer},
+    }
+    return build_config(data)
+
+
+def candidate_config(config: Config, est: Estimate) -> Config:
+    """``config`` with the candidate's schedule, parallel degrees and activation checkpointing."""
+    if config.model.fp8 is not None:
+        raise UserError("--simulate runs on the CPU without Transformer Engine: simulate the bf16 equivalent "
+                        "(model.fp8=null); the planner budgets FP8 activations as bf16 too")
+    parallel = dataclasses.replace(config.parallel, tp=est.layout.tp, dp_shard=est.layout.dp_shard,
+                                   dp_replicate=est.layout.dp_replicate)
+    model = dataclasses.replace(config.model, backend="local", activation_checkpointing=est.activation_checkpointing)
+    schedule = dataclasses.replace(config.schedule, name=est.schedule)
+    return dataclasses.replace(config, parallel=parallel, model=model, schedule=schedule)
+
+
+def targets(plan: Plan, which: str) -> list[int]:
+    """Indices of the candidates to simulate: the chosen one, or the best feasible one of each schedule."""
+    if which not in SIMULATE_CHOICES:
+        raise UserError(f"--simulate takes {' or '.join(SIMULATE_CHOICES)}, not {which!r}")
+    if which == "chosen":
+        if plan.chosen is None:
+            raise UserError("--simulate chosen: nothing fits, so nothing is chosen (use --simulate all)")
+        return [plan.candidates.index(plan.chosen)]
+    out = []
+    for schedule in SCHEDULES:
+        best = next((i for i, c in enumerate(plan.candidates) if c.schedule == schedule and c.feasible), None)
+        if best is not None:
+            out.append(best)
+    return out
+
+
+def simulate_candidate(config: Config, est: Estimate, plan: Plan) -> dict:
+    """The simulation of one candidate, as the JSON fields added next to its prediction."""
+    from leangrpo_mcore.parallel.simulate import simulate
+
+    sim = simulate(candidate_config(config, est), plan.hardware.world_size, schedule=est.schedule)
+    reserved = int(est.memory.get("reserved", 0))
+    out = sim.as_json()
+    out["simulated_breakdown"]["reserved"] = reserved
+    out["simulated_peak_bytes"] = sim.peak_bytes + reserved
+    predicted = est.peak_mem_bytes
+    out["simulated_over_predicted"] = round(out["simulated_peak_bytes"] / predicted, 4) if predicted else None
+    return out
+
+
+def simulate_plan(plan: Plan, config: Config, which: str, progress: Optional[callable] = None) -> dict[int, dict]:
+    """``{candidate index: simulation fields}`` for :func:`targets`."""
+    chosen = targets(plan, which)
+    results = {}
+    for n, index in enumerate(chosen):
+        est = plan.candidates[index]
+        if progress is not None:
+            progress(f"simulating {n + 1}/{len(chosen)}: {est.schedule} tp={est.layout.tp} "
+                     f"dp_shard={est.layout.dp_shard} dp_replicate={est.layout.dp_replicate} "
+                     f"checkpointing={'on' if est.activation_checkpointing else 'off'}")
+        results[index] = simulate_candidate(config, est, plan)
+    return results
