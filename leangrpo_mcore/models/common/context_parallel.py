@@ -124,7 +124,7 @@ def _all_gather(local: torch.Tensor, shards: SequenceShards, dim: int) -> torch.
     padded[:moved.shape[0]] = moved
     buffers = [torch.empty_like(padded) for _ in shards.sizes]
     dist.all_gather(buffers, padded.contiguous(), group=shards.group)
-    return torch.cat([b[:n] for b, n in zip(buffers, shards.sizes)]).movedim(0, dim)
+    return torch.cat([b[:n] for b, n in zip(buffers, shards.sizes)]).movedim(0, dim).contiguous()
 
 
 class _GatherSequence(torch.autograd.Function):
