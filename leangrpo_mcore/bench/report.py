@@ -165,11 +165,17 @@ def _load_note(meta: dict) -> str:
     return f" Load average (1 min) {start:.1f} at the start, {end:.1f} at the end of the timed rounds."
 
 
+def _cp_note(meta: dict) -> str:
+    """", cp N (each sample's tokens split over N ranks)" under context parallelism, else nothing."""
+    cp = int(meta.get("cp", 1))
+    return f", cp {cp} (each sample's tokens split over {cp} ranks)" if cp > 1 else ""
+
+
 def _run_header(report: dict) -> list[str]:
     meta, shape = report["meta"], report["shape"]
     params, trained = shape["params"] / 1e6, shape["trainable_params"] / 1e6
     return [f"#### {meta['title']}", "",
-            f"world size {meta['world_size']} ({meta['device']}, {meta['threads']} threads/rank), "
+            f"world size {meta['world_size']}{_cp_note(meta)} ({meta['device']}, {meta['threads']} threads/rank), "
             f"T={shape['num_steps']}, |S|={shape['steps_per_sample']}, {shape['samples_per_rank']} samples/rank, "
             f"{shape['tokens']} tokens, {params:.2f} M params ({trained:.2f} M trained), {meta['steps']} measured "
             f"steps after {meta['warmup']} warm-up, order {', '.join(meta['order'])}.{_load_note(meta)}", ""]

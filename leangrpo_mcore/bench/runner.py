@@ -232,7 +232,8 @@ class Bench:
         device = self.dist.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
         return {"title": self.options.title, "world_size": self.dist.world_size, "dp_size": self.pctx.dp_size,
-                "tp": self.pctx.layout.tp, "device": f"{device.type}: {name}", "torch": torch.__version__,
+                "tp": self.pctx.layout.tp, "cp": self.pctx.layout.cp, "device": f"{device.type}: {name}",
+                "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "steps": self.options.steps, "warmup": self.options.warmup,
                 "order": list(self.options.schedules)}
 

@@ -162,12 +162,16 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Tensor and data parallel degrees and the layout of prompt groups."""
+    """Tensor, context and data parallel degrees and the layout of prompt groups."""
 
     tp: int = option(1, ge=1)
     """Tensor-parallel degree (within a node)."""
+    cp: int = option(1, ge=1)
+    """Context (sequence) parallel degree: the tokens of each sample split over cp ranks, Ulysses attention
+    (docs/models.md, "Sequence parallelism"); the cp ranks of a sample count as one data-parallel rank."""
     dp_shard: int | Literal["auto"] = "auto"
-    """FSDP2 sharding degree; auto = world size / (tp * dp_replicate)."""
+    """FSDP2 sharding degree over data-parallel ranks; auto = world size / (tp * cp * dp_replicate). FSDP2 shards
+    each parameter over dp_shard * cp ranks (the cp ranks of a sample hold the same parameters)."""
     dp_replicate: int | Literal["auto"] = "auto"
     """HSDP replica degree (across nodes); auto = 1."""
     layout: str = option("shared", choices=("shared", "conventional"))

@@ -6,6 +6,10 @@ that step when gradients were on (Retain keeps it, Reweight backpropagates it at
 for one). The latent is detached between steps, so no gradient flows along the trajectory
 (docs/algorithms.md §6), and every stored tensor is float32 (§7): the update evaluates log p at exactly the
 x_{t+1} drawn here.
+
+Under context parallelism (``split``) every latent of the loop is this rank's piece of the sample
+(:mod:`leangrpo_mcore.parallel.sequence`): the initial noise and each step's SDE noise are drawn for the whole
+sample and cut, so the trajectory is the one of an unsplit rollout, piece by piece.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import ContextManager, Protocol
 
 import torch
 
-from leangrpo_mcore.diffusion.sde import SDEStep, ode_step, sde_step, transition_std
+from leangrpo_mcore.diffusion.sde import SampleMean, SDEStep, draw_noise, local_mean, ode_step, sde_step, transition_std
 from leangrpo_mcore.diffusion.seeding import step_generators
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.diffusion.velocity import VelocityFn
@@ -35,6 +39,8 @@ class SDEParams:
     """σ_1 of the schedule (flow_grpo's σ = 1 substitute, Wan's σ_max)."""
     sigma_min: float
     """The schedule's last sigma (Wan's σ_min)."""
+    sample_mean: SampleMean = local_mean
+    """Mean over a sample's elements for the log-prob and KL (a context-parallel reduction under a split)."""
 
     @classmethod
     def from_sigmas(cls, kind: str, noise_level: float, sigmas: torch.Tensor) -> SDEParams:
@@ -45,11 +51,12 @@ class SDEParams:
         return cls(kind=kind, noise_level=float(noise_level), sigma_max=float(row[1]), sigma_min=float(row[-1]))
 
     def step(self, velocity: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-             *, prev_sample: torch.Tensor | None = None, generators: list[torch.Generator] | None = None) -> SDEStep:
-        """One SDE step (draw with ``generators`` or score ``prev_sample``)."""
+             *, prev_sample: torch.Tensor | None = None, generators: list[torch.Generator] | None = None,
+             noise: torch.Tensor | None = None) -> SDEStep:
+        """One SDE step (draw with ``generators``, add the given ``noise``, or score ``prev_sample``)."""
         return sde_step(self.kind, velocity, latents, sigma, sigma_next, noise_level=self.noise_level,
                         prev_sample=prev_sample, generator=generators, sigma_max=self.sigma_max,
-                        sigma_min=self.sigma_min)
+                        sigma_min=self.sigma_min, noise=noise, sample_mean=self.sample_mean)
 
     def std_t(self, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
         """(B,) std_t of the step (the FlowGRPO KL's denominator, without sqrt(−dt))."""
@@ -81,6 +88,19 @@ class StepRecord:
 StepCallback = Callable[[StepRecord], None]
 
 
+class LatentPieces(Protocol):
+    """This rank's piece of each sample's latent (context parallelism; :class:`parallel.sequence.LatentSplit`)."""
+
+    latent_shape: tuple[int, ...]
+    """The whole latent of one sample."""
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """(B, *latent_shape) → (B, n_local)."""
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """(B, n_local) → (B, *latent_shape)."""
+
+
 def _as_batch_sigmas(sigmas: torch.Tensor, batch: int) -> torch.Tensor:
     sigmas = sigmas.to(torch.float32)
     if sigmas.ndim == 1:
@@ -110,11 +130,16 @@ def _check_masks(steps: int, batch: int, **masks: torch.Tensor) -> None:
 
 
 def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-                  sde_rows: torch.Tensor, sde: SDEParams, generators: list[torch.Generator]) -> SDEStep | None:
+                  sde_rows: torch.Tensor, sde: SDEParams, generators: list[torch.Generator],
+                  split: LatentPieces | None) -> SDEStep | None:
     """SDE step for the rows in ``sde_rows``, ODE for the others; None when no row uses the SDE."""
     if not bool(sde_rows.any()):
         return None
-    out = sde.step(velocity, x, sigma, sigma_next, generators=generators)
+    if split is None:
+        out = sde.step(velocity, x, sigma, sigma_next, generators=generators)
+    else:
+        noise = split.shard(draw_noise(torch.Size((x.shape[0], *split.latent_shape)), generators, x.device))
+        out = sde.step(velocity, x, sigma, sigma_next, noise=noise)
     if bool(sde_rows.all()):
         return out
     sde_rows = sde_rows.to(x.device)
@@ -140,6 +165,7 @@ def rollout(
     grad_steps: torch.Tensor | set[int] | None = None,
     on_step: StepCallback | None = None,
     forward_context: Callable[[bool], ContextManager] | None = None,
+    split: LatentPieces | None = None,
 ) -> Trajectory:
     """Sample B trajectories from ``init_latents`` (B, *shape) along ``sigmas`` ((T+1,) or (B, T+1)).
 
@@ -149,7 +175,8 @@ def rollout(
     any sample of the batch has it in ``grad_steps`` — a (B, T) bool mask or a set of step indices
     for every sample (default: none, a pure no-grad rollout); the
     callback then receives the step's graph. ``forward_context(grad)`` is entered around each forward
-    (e.g. FP8 scaling state; see :mod:`leangrpo_mcore.parallel.precision`). Returns the float32 :class:`Trajectory` (detached).
+    (e.g. FP8 scaling state; see :mod:`leangrpo_mcore.parallel.precision`). With ``split`` the latents of the
+    trajectory are this rank's pieces (module doc). Returns the float32 :class:`Trajectory` (detached).
     """
     batch, steps = init_latents.shape[0], noise_seeds.shape[1]
     grad_steps = _grad_mask(grad_steps, selected)
@@ -161,6 +188,8 @@ def rollout(
     if batch_sigmas.shape[1] != steps + 1:
         raise ValueError(f"sigmas have {batch_sigmas.shape[1]} entries for {steps} steps (need T+1)")
     x = init_latents.detach().to(torch.float32)
+    if split is not None:
+        x = split.shard(x).contiguous()
     xs, next_xs, log_probs = [], [], []
     for t in range(steps):
         sigma, sigma_next = batch_sigmas[:, t], batch_sigmas[:, t + 1]
@@ -168,7 +197,7 @@ def rollout(
         with torch.set_grad_enabled(grad), forward_context(grad):
             velocity = velocity_fn(x, sigma, conditioning)
             out = _denoise_step(velocity, x, sigma, sigma_next, sde_steps[:, t], sde,
-                                step_generators(noise_seeds, t))
+                                step_generators(noise_seeds, t), split)
         if out is None:
             prev, log_prob = ode_step(velocity.detach(), x, sigma, sigma_next), torch.zeros(batch, device=x.device)
         else:

@@ -17,12 +17,16 @@ broadcast to the batch), dt = σ' − σ < 0. All math runs in float32 whatever 
 mean over all non-batch dimensions (not the sum), shape (B,), accumulated in float64 and returned as float32
 (docs/algorithms.md §7). ``std`` is the transition std s with shape (B, 1, ..., 1), broadcastable to the sample.
 ``prev_sample`` is always returned detached: GRPO differentiates log p through the mean only.
+
+Under context parallelism a sample's latent lives split over ranks: ``sample_mean`` then is the mean over the
+whole sample's elements (partial sums reduced over the group, :mod:`leangrpo_mcore.parallel.sequence`), and
+``noise`` the rank's piece of noise drawn for the whole sample.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -32,6 +36,14 @@ SDE_KINDS = ("flow_grpo", "flow_grpo_cps", "wan", "dance_grpo")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 Generators = torch.Generator | Sequence[torch.Generator] | None
+
+SampleMean = Callable[[torch.Tensor], torch.Tensor]
+"""(B, ...) → (B,): the mean over every non-batch element of each sample (a whole sample, or its CP pieces)."""
+
+
+def local_mean(values: torch.Tensor) -> torch.Tensor:
+    """The mean over the non-batch elements of ``values`` (the whole sample is here)."""
+    return values.flatten(1).mean(dim=1)
 
 
 class SDEStep(NamedTuple):
@@ -142,7 +154,7 @@ def _per_sample(values: torch.Tensor, ndim: int) -> torch.Tensor:
     return values.view(-1, *([1] * (ndim - 1)))
 
 
-def _draw_noise(shape: torch.Size, generator: Generators, device: torch.device) -> torch.Tensor:
+def draw_noise(shape: torch.Size, generator: Generators, device: torch.device) -> torch.Tensor:
     """Standard normal noise of ``shape`` in float32; one generator per sample when a list is given."""
     if generator is None or isinstance(generator, torch.Generator):
         gen_device = device if generator is None else generator.device
@@ -158,9 +170,10 @@ def _draw_noise(shape: torch.Size, generator: Generators, device: torch.device) 
     return torch.stack(draws)
 
 
-def _gaussian_log_prob(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+def _gaussian_log_prob(prev_sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
+                       sample_mean: SampleMean) -> torch.Tensor:
     """Mean over non-batch dims of log N(x'; μ, s²); ``std`` is (B, 1, ...). float64 reduction."""
-    sq = (prev_sample - mean).to(torch.float64).square().flatten(1).mean(dim=1)
+    sq = sample_mean((prev_sample - mean).to(torch.float64).square())
     std64 = std.flatten(1)[:, 0].to(torch.float64)
     # log s and log sqrt(2π) are constant over the non-batch dims, so they leave the mean unchanged.
     log_prob = -sq / (2 * std64.square()) - torch.log(std64) - _LOG_SQRT_2PI
@@ -211,16 +224,21 @@ def sde_step(
     generator: Generators = None,
     sigma_max: float | torch.Tensor | None = None,
     sigma_min: float | torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    sample_mean: SampleMean = local_mean,
 ) -> SDEStep:
     """One SDE step x_t → x_{t+1} of variant ``kind`` with the log-density of x_{t+1} (module docstring).
 
     ``model_output`` is the predicted velocity v, ``sample`` x_t, both (B, *shape). With ``prev_sample``
     given its log-density is evaluated; otherwise x_{t+1} = μ + s·ε with ε drawn in float32 from
     ``generator`` (a ``torch.Generator``, a sequence of B generators drawing one sample each, or None
-    for the global RNG). For ``dance_grpo`` ``noise_level`` is η; ``wan`` does not use it.
+    for the global RNG), or ``noise`` ε itself is given (float32, ``sample``'s shape). For ``dance_grpo``
+    ``noise_level`` is η; ``wan`` does not use it.
     """
     _check_kind(kind)
     _check_tensors(model_output, sample, prev_sample, generator)
+    if noise is not None and (prev_sample is not None or generator is not None or noise.shape != sample.shape):
+        raise ValueError("noise is drawn by the caller alone (no prev_sample, no generator) in sample's shape")
     batch, ndim, device = sample.shape[0], sample.ndim, sample.device
     sample = sample.to(torch.float32)
     model_output = model_output.to(torch.float32)
@@ -234,14 +252,15 @@ def sde_step(
     else:
         mean = _sde_mean(sample, model_output, sig, sig_next - sig, _per_sample(stds.std_t, ndim))
     if prev_sample is None:
-        prev_sample = mean.detach() + std * _draw_noise(sample.shape, generator, device)
+        eps = draw_noise(sample.shape, generator, device) if noise is None else noise.to(device, torch.float32)
+        prev_sample = mean.detach() + std * eps
     else:
         prev_sample = prev_sample.detach().to(device=device, dtype=torch.float32)
     if kind == "flow_grpo_cps":
         # The reference drops every constant of the cps log-density; it is still mean-reduced.
-        log_prob = -(prev_sample - mean).to(torch.float64).square().flatten(1).mean(dim=1).to(torch.float32)
+        log_prob = -sample_mean((prev_sample - mean).to(torch.float64).square()).to(torch.float32)
     else:
-        log_prob = _gaussian_log_prob(prev_sample, mean, std)
+        log_prob = _gaussian_log_prob(prev_sample, mean, std, sample_mean)
     return SDEStep(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
 
 

@@ -176,6 +176,26 @@ class WanVelocity(_PolicyVelocity):
         return uncond + self.cfg_scale * (cond - uncond)
 
 
+class SplitVelocity:
+    """A velocity function on this rank's pieces of the latents (context parallelism, ``parallel.cp``).
+
+    The pieces of the CP group are gathered into whole latents, the policy runs its sequence-parallel forward
+    (each rank computing its own tokens) and this rank keeps its piece of the velocity. The gradient reaches
+    the velocity only through that piece; the policy's output gather sums the CP ranks' gradients.
+    """
+
+    def __init__(self, inner: VelocityFn, split) -> None:
+        self.inner, self.split = inner, split
+
+    def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """(B, n_local) float32 velocity of the pieces ``latents`` (B, n_local)."""
+        return self.split.shard(self.inner(self.split.gather(latents), sigma, conditioning))
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """The inner function's reference context."""
+        return self.inner.reference()
+
+
 def build_velocity_fn(
     family: str,
     policy: torch.nn.Module,

@@ -76,6 +76,9 @@ def resolve_plan(config: Config, world_size: int, logger: logging.Logger) -> Con
     config says ``auto``) its data-parallel degrees; the plan is logged."""
     if config.schedule.name != "auto":
         return config
+    if config.parallel.cp > 1:
+        raise UserError("schedule.name=auto with parallel.cp > 1 is not supported yet (the planner has no "
+                        "context-parallel model): name the schedule")
     from leangrpo_mcore.parallel.layout import plan_for_config
 
     memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None

@@ -90,7 +90,7 @@ def grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext) -> flo
         device = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
         total = total.to(device)
         shard_group = ctx.dp_shard_group()
-        if shard_group is not None and int(ctx.layout.dp_shard) > 1:
+        if shard_group is not None and ctx.fsdp_shard_size > 1:
             dist.all_reduce(total, group=shard_group)
         if ctx.tp_group is not None and ctx.layout.tp > 1:
             dist.all_reduce(total, group=ctx.tp_group)

@@ -18,6 +18,12 @@ schedule's ``on_rewards`` / ``on_group_rewards`` and before any advantage, and e
 runs without it, so rewards, advantages and gradients are the same bit for bit. What grows is what the
 schedule holds while it waits: the next group's trajectories, and Retain's graphs or Reweight's provisional
 gradients of two groups instead of one. The ``reward`` phase is then the time spent waiting for the scores.
+
+``parallel.cp`` (context parallelism): the CP ranks of a data-parallel index make the same samples, each holding
+its piece of every latent (:mod:`leangrpo_mcore.parallel.sequence`); the velocity function gathers the pieces
+for the sequence-parallel forward and keeps its piece of the output, the log-prob and KL reduce their partial
+sums over the CP group, and the final latents are gathered and scored once per sample, on CP rank 0, whose
+rewards every CP rank receives. Their gradients are partial and FSDP2's reduction over dp_shard · cp adds them.
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from leangrpo_mcore.config.schema import Config
 from leangrpo_mcore.diffusion.sampler import SDEParams, draw_rollout_inputs, rollout
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
+from leangrpo_mcore.diffusion.velocity import SplitVelocity
 from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
 from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
 from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
@@ -43,6 +51,7 @@ from leangrpo_mcore.parallel.groups import (PromptShare, assign_samples, build_g
 from leangrpo_mcore.parallel.memory import MemoryMeter
 from leangrpo_mcore.parallel.mesh import ParallelContext
 from leangrpo_mcore.parallel.precision import ForwardPrecision, null_precision
+from leangrpo_mcore.parallel.sequence import LatentSplit
 from leangrpo_mcore.rl.advantages import advantage_affine, clamp_would_fire, compute_advantages
 from leangrpo_mcore.schedules.base import (GroupUpdate, Objective, PhaseTimer, ScheduleContext, UpdateStats,
                                            build_schedule, loss_weight)
@@ -189,6 +198,8 @@ class StepPlan:
         check_selection(sel["method"], self.num_steps, sel["fraction"], sel.get("window_size", 0),
                         sel.get("window_range", (0, 1)))
         check_layout(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step)
+        if ctx.layout.cp > 1 and self.async_scoring:
+            raise ValueError("reward.async_scoring with parallel.cp > 1 is not supported yet: set one of them off")
         if (self.schedule == "reweight" and self.reshard_after_forward and int(ctx.layout.dp_shard) > 1
                 and self.selection_varies(ctx)):
             raise ValueError(f"Reweight with {sel['method']} selection trains different steps on different ranks: "
@@ -304,6 +315,10 @@ class StepEngine:
                  precision: ForwardPrecision = null_precision, measure_memory: Optional[bool] = None,
                  keep_trajectories: bool = False, progress: Optional[ProgressFn] = None) -> None:
         plan.validate(ctx, policy)
+        self.split = LatentSplit(plan.latent_shape, ctx.cp_group) if ctx.layout.cp > 1 else None
+        if self.split is not None:
+            velocity_fn = SplitVelocity(velocity_fn, self.split)
+            plan = dataclasses.replace(plan, sde=dataclasses.replace(plan.sde, sample_mean=self.split.sample_mean))
         self.plan, self.policy, self.velocity_fn, self.ctx = plan, policy, velocity_fn, ctx
         self.optimizer, self.reward_fn, self.lr_scheduler = optimizer, reward_fn, lr_scheduler
         self.precision = precision
@@ -437,19 +452,37 @@ class StepEngine:
                                grad_steps=None if schedule is None else schedule.grad_steps(draws.selected),
                                on_step=self._with_progress(None if schedule is None
                                                            else schedule.on_step(key, cond)),
-                               forward_context=self.precision)
+                               forward_context=self.precision, split=self.split)
             trajectories.append(traj)
             if plan.async_scoring:
                 rewards.append(self._submit(traj.final_latents, prompt_ids))
                 continue
             with timer.phase("reward"):
-                local = _check_rewards(self.reward_fn(traj.final_latents, prompt_ids), len(ids))
+                local = self._score(traj.final_latents, prompt_ids)
             if schedule is not None:
                 schedule.on_rewards(key, local)
             rewards.append(local)
         if plan.async_scoring:
             return ScoringGroup(share=share, trajectories=trajectories, scores=rewards)
         return self._gathered(share, trajectories, rewards, timer)
+
+    def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """(B,) checked rewards of a micro-batch; under CP the whole latents are scored on CP rank 0 and every
+        CP rank receives the result (or the error)."""
+        batch = final_latents.shape[0]
+        if self.split is None:
+            return _check_rewards(self.reward_fn(final_latents, prompt_ids), batch)
+        whole = self.split.gather(final_latents)
+        outcome: list = [None]
+        if self.ctx.cp_rank == 0:
+            try:
+                outcome[0] = _check_rewards(self.reward_fn(whole, prompt_ids), batch).cpu()
+            except ValueError as err:
+                outcome[0] = str(err)
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(self.ctx.cp_group, 0), group=self.ctx.cp_group)
+        if isinstance(outcome[0], str):
+            raise ValueError(outcome[0])
+        return outcome[0]
 
     def _gathered(self, share: PromptShare, trajectories: list[Trajectory], rewards: list[torch.Tensor],
                   timer: PhaseTimer) -> GroupRecord:

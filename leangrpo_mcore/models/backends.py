@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
 
+from leangrpo_mcore.models.common.context_parallel import cp_world_size
 from leangrpo_mcore.models.common.fp8 import fp8_alignment
 from leangrpo_mcore.models.common.init import set_init, uniform_fan_in
 from leangrpo_mcore.models.common.lora import AdapterHostMixin
@@ -210,7 +211,8 @@ class LocalBackend(BackendProvider):
                        head_dim: Optional[int] = None) -> torch.nn.Module:
         """See :meth:`BackendProvider.core_attention`."""
         heads, dim = self._heads(config, num_heads, head_dim)
-        return SDPACoreAttention(num_heads=divide(heads, tp_world_size()), head_dim=dim)
+        # Under context parallelism (Ulysses) the kernel sees 1 / cp of this rank's heads.
+        return SDPACoreAttention(num_heads=divide(heads, tp_world_size() * cp_world_size()), head_dim=dim)
 
 
 _WEIGHTS_VERSION = [0]
@@ -322,7 +324,8 @@ class TEBackend(BackendProvider):
                        head_dim: Optional[int] = None) -> torch.nn.Module:
         """See :meth:`BackendProvider.core_attention`."""
         heads, dim = self._heads(config, num_heads, head_dim)
-        return _te_classes()[1](num_heads=heads, head_dim=dim)
+        # TE divides by the TP size itself; under context parallelism (Ulysses) it sees 1 / cp of the heads.
+        return _te_classes()[1](num_heads=divide(heads, cp_world_size()), head_dim=dim)
 
 
 def get_backend(name: str = "auto") -> BackendProvider:

@@ -83,8 +83,8 @@ class GradSync:
             raise ValueError(f"unknown gradient sync mode {mode!r}; valid: {', '.join(SYNC_MODES)}")
         self.model, self.ctx, self.mode, self.phase = model, ctx, mode, phase
         self.fsdp = is_fsdp(model)
-        if ctx.dp_size > 1 and not self.fsdp:
-            raise ValueError("data parallelism needs an FSDP2-wrapped policy (parallel.fsdp.apply_fsdp)")
+        if ctx.fsdp_shard_size * int(ctx.layout.dp_replicate) > 1 and not self.fsdp:
+            raise ValueError("data and context parallelism need an FSDP2-wrapped policy (parallel.fsdp.apply_fsdp)")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._fsdp_params = self._map_fsdp_params() if self.fsdp else None
         self._pending: LocalGrads | None = None
@@ -169,7 +169,7 @@ class GradSync:
         entries = [(fp, g) for fp, g in zip(self._fsdp_params, grads) if g is not None]
         if not entries:
             return
-        group, world = self.ctx.dp_shard_group(), int(self.ctx.layout.dp_shard)
+        group, world = self.ctx.dp_shard_group(), self.ctx.fsdp_shard_size
         dtype = entries[0][1].dtype
         rows = [-(-g.shape[0] // world) for _, g in entries]
         widths = [r * (g[0].numel() if g.ndim > 1 else 1) for r, (_, g) in zip(rows, entries)]

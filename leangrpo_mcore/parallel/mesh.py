@@ -1,9 +1,12 @@
 """One layout description → megatron tensor-parallel groups + a torch DeviceMesh for data parallelism.
 
-Rank order follows megatron-core's default ``tp-cp-ep-dp-pp``: tensor parallelism varies fastest, so the
-global ranks form a (dp_replicate, dp_shard, tp) grid in row-major order. The data-parallel ranks of this
-rank's mesh are therefore exactly the ranks that share its TP rank, in megatron's data-parallel order;
-:func:`build_parallel_context` asserts both facts against ``parallel_state`` after creating them.
+Rank order follows megatron-core's default ``tp-cp-ep-dp-pp``: tensor parallelism varies fastest, then context
+parallelism, so the global ranks form a (dp_replicate, dp_shard, cp, tp) grid in row-major order and a CP group
+of cp·tp consecutive ranks stays inside a node whenever cp·tp divides the GPUs per node. The data-parallel
+ranks (rewards, prompt groups, statistics) are the ranks sharing this rank's CP and TP ranks. FSDP2 shards over
+dp_shard·cp ranks: the CP ranks of a sample hold the same parameters and their partial gradients add up like
+those of any data-parallel rank, so the FSDP mesh is (dp_replicate, dp_shard·cp) with ``dp_shard`` naming that
+flattened dimension. :func:`build_parallel_context` asserts these groups against ``parallel_state``.
 
 Without ``torch.distributed`` (a plain single process) the context is trivial: TP = DP = 1, no mesh, and
 the models' TP helpers fall back to identities.
@@ -26,29 +29,32 @@ class Layout:
 
     tp: int = 1
     """Tensor-parallel degree."""
+    cp: int = 1
+    """Context (sequence) parallel degree."""
     dp_replicate: Degree = "auto"
     """HSDP replica degree (auto = 1)."""
     dp_shard: Degree = "auto"
-    """FSDP sharding degree (auto = world / (tp · dp_replicate))."""
+    """FSDP sharding degree over data-parallel ranks (auto = world / (tp · cp · dp_replicate))."""
 
     def resolve(self, world_size: int) -> "Layout":
         """The layout with integer degrees whose product is ``world_size``; ValueError otherwise."""
-        if self.tp < 1 or world_size % self.tp:
-            raise ValueError(f"tp={self.tp} does not divide the world size {world_size}")
+        model = self.tp * self.cp
+        if self.tp < 1 or self.cp < 1 or world_size % model:
+            degrees = f"tp={self.tp}" + (f" x cp={self.cp}" if self.cp != 1 else "")
+            raise ValueError(f"{degrees} does not divide the world size {world_size}")
         replicate = 1 if self.dp_replicate == "auto" else int(self.dp_replicate)
-        if replicate < 1 or (world_size // self.tp) % replicate:
-            raise ValueError(f"dp_replicate={replicate} does not divide world/tp = {world_size // self.tp}")
-        shard = world_size // (self.tp * replicate) if self.dp_shard == "auto" else int(self.dp_shard)
-        if shard < 1 or self.tp * replicate * shard != world_size:
-            raise ValueError(
-                f"tp ({self.tp}) x dp_replicate ({replicate}) x dp_shard ({shard}) != world size {world_size}"
-            )
-        return Layout(tp=self.tp, dp_replicate=replicate, dp_shard=shard)
+        if replicate < 1 or (world_size // model) % replicate:
+            raise ValueError(f"dp_replicate={replicate} does not divide world/(tp*cp) = {world_size // model}")
+        shard = world_size // (model * replicate) if self.dp_shard == "auto" else int(self.dp_shard)
+        if shard < 1 or model * replicate * shard != world_size:
+            raise ValueError(f"tp ({self.tp}) x cp ({self.cp}) x dp_replicate ({replicate}) x dp_shard ({shard}) "
+                             f"!= world size {world_size}")
+        return Layout(tp=self.tp, cp=self.cp, dp_replicate=replicate, dp_shard=shard)
 
     @classmethod
     def from_config(cls, parallel) -> "Layout":
         """From a :class:`~leangrpo_mcore.config.schema.ParallelConfig`."""
-        return cls(tp=parallel.tp, dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard)
+        return cls(tp=parallel.tp, cp=parallel.cp, dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard)
 
 
 @dataclass
@@ -63,23 +69,33 @@ class ParallelContext:
     """Global rank."""
     tp_rank: int = 0
     """Rank inside the tensor-parallel group."""
+    cp_rank: int = 0
+    """Rank inside the context-parallel group."""
     dp_rank: int = 0
     """Index among the data-parallel ranks (replicate-major, shard-minor)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Compute device."""
     dp_mesh: object | None = None
-    """DeviceMesh (dp_shard,) or (dp_replicate, dp_shard); None without data parallelism."""
+    """FSDP2 DeviceMesh (dp_shard,) or (dp_replicate, dp_shard), its dp_shard dimension spanning dp_shard · cp
+    ranks; None when that mesh has one rank."""
     dp_group: object | None = None
-    """Process group of all data-parallel ranks of this TP rank (None at DP = 1)."""
+    """Process group of all data-parallel ranks of this (CP, TP) position (None at DP = 1)."""
     tp_group: object | None = None
     """Megatron's tensor-parallel group (None at TP = 1 without distributed)."""
+    cp_group: object | None = None
+    """Megatron's context-parallel group (None at CP = 1)."""
     dp_global_ranks: list[list[int]] = field(default_factory=lambda: [[0]])
-    """For each TP rank, the global ranks of its data-parallel group in DP order."""
+    """For each (CP rank, TP rank) position, the global ranks of its data-parallel group in DP order."""
 
     @property
     def dp_size(self) -> int:
-        """Number of data-parallel ranks (dp_replicate · dp_shard)."""
+        """Number of data-parallel ranks (dp_replicate · dp_shard); the CP ranks of a sample count once."""
         return int(self.layout.dp_replicate) * int(self.layout.dp_shard)
+
+    @property
+    def fsdp_shard_size(self) -> int:
+        """Ranks of FSDP2's sharding dimension (dp_shard · cp)."""
+        return int(self.layout.dp_shard) * self.layout.cp
 
     def dp_shard_group(self):
         """The reduce-scatter group (None when there is no DP sharding mesh)."""
@@ -94,14 +110,15 @@ class ParallelContext:
         return self.dp_mesh.get_group("dp_replicate")
 
 
-def _init_megatron(tp: int) -> None:
+def _init_megatron(tp: int, cp: int) -> None:
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() != tp:
-            raise ValueError(f"megatron parallel_state is already initialised with a different TP size than {tp}")
+        if (parallel_state.get_tensor_model_parallel_world_size() != tp
+                or parallel_state.get_context_parallel_world_size() != cp):
+            raise ValueError(f"megatron parallel_state is already initialised with other TP/CP sizes than {tp}/{cp}")
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
 
 
 def _check_against_megatron(ctx: ParallelContext, mesh) -> None:
@@ -109,14 +126,18 @@ def _check_against_megatron(ctx: ParallelContext, mesh) -> None:
 
     tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
     mesh_tp = mesh["tp"].mesh.flatten().tolist()
-    dp_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    dp_ranks = dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=True))
     mesh_dp = mesh["dp_replicate", "dp_shard"].mesh.flatten().tolist()
     if tp_ranks != mesh_tp or dp_ranks != mesh_dp:
         raise RuntimeError(
-            f"device mesh and megatron disagree: TP {mesh_tp} vs {tp_ranks}, DP {mesh_dp} vs {dp_ranks}"
+            f"device mesh and megatron disagree: TP {mesh_tp} vs {tp_ranks}, DP x CP {mesh_dp} vs {dp_ranks}"
         )
-    if parallel_state.get_tensor_model_parallel_rank() != ctx.tp_rank:
-        raise RuntimeError("megatron's TP rank differs from the mesh's")
+    pure_dp = dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+    if pure_dp != ctx.dp_global_ranks[ctx.cp_rank * ctx.layout.tp + ctx.tp_rank]:
+        raise RuntimeError(f"megatron's data-parallel group {pure_dp} differs from the layout's")
+    if (parallel_state.get_tensor_model_parallel_rank() != ctx.tp_rank
+            or parallel_state.get_context_parallel_rank() != ctx.cp_rank):
+        raise RuntimeError("megatron's TP or CP rank differs from the mesh's")
 
 
 def build_parallel_context(layout: Layout, device: torch.device | str = "cpu") -> ParallelContext:
@@ -129,22 +150,22 @@ def build_parallel_context(layout: Layout, device: torch.device | str = "cpu") -
 
     world, rank = dist.get_world_size(), dist.get_rank()
     resolved = layout.resolve(world)
-    replicate, shard = int(resolved.dp_replicate), int(resolved.dp_shard)
-    _init_megatron(resolved.tp)
-    mesh = init_device_mesh(device.type, (replicate, shard, resolved.tp),
+    replicate, shard, tp, cp = int(resolved.dp_replicate), int(resolved.dp_shard), resolved.tp, resolved.cp
+    _init_megatron(tp, cp)
+    mesh = init_device_mesh(device.type, (replicate, shard * cp, tp),
                             mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
-    ranks = torch.arange(world).reshape(-1, resolved.tp)
-    columns = [ranks[:, k].tolist() for k in range(resolved.tp)]
-    tp_rank = rank % resolved.tp
+    ranks = torch.arange(world).reshape(-1, cp, tp)
+    columns = [ranks[:, c, t].tolist() for c in range(cp) for t in range(tp)]
     ctx = ParallelContext(
-        layout=resolved, world_size=world, rank=rank, tp_rank=tp_rank, dp_rank=rank // resolved.tp,
-        device=device, dp_mesh=dp_mesh if replicate * shard > 1 else None,
+        layout=resolved, world_size=world, rank=rank, tp_rank=rank % tp, cp_rank=(rank // tp) % cp,
+        dp_rank=rank // (tp * cp), device=device, dp_mesh=dp_mesh if replicate * shard * cp > 1 else None,
         dp_group=None, tp_group=None, dp_global_ranks=columns,
     )
     from megatron.core import parallel_state
 
     ctx.tp_group = parallel_state.get_tensor_model_parallel_group()
+    ctx.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
     ctx.dp_group = parallel_state.get_data_parallel_group() if replicate * shard > 1 else None
     _check_against_megatron(ctx, mesh)
     return ctx

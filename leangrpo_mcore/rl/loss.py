@@ -132,6 +132,7 @@ def kl_loss(
     std_t: Optional[Tensor] = None,
     transition_std: Optional[Tensor] = None,
     form: str = "flow_grpo",
+    sample_mean: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> Tensor:
     """KL penalty (B,) float32 between the policy's and the reference's SDE transition means.
 
@@ -145,7 +146,8 @@ def kl_loss(
       as ``std``), giving the true Gaussian KL; FlowGRPO's Wan code uses this form.
 
     Stds are (B,) per-sample values or broadcastable to ``mean``; ``ref_mean`` and the std are
-    treated as constants (detached); gradients flow through ``mean`` only.
+    treated as constants (detached); gradients flow through ``mean`` only. ``sample_mean`` replaces that mean
+    when a sample is split over context-parallel ranks (``diffusion.sde.SampleMean``).
     """
     if form not in KL_FORMS:
         raise ValueError(f"unknown KL form '{form}'; valid: {', '.join(KL_FORMS)}")
@@ -162,4 +164,6 @@ def kl_loss(
     per_elem = diff**2 / (2.0 * std**2)
     if per_elem.ndim == 1:
         return per_elem
+    if sample_mean is not None:
+        return sample_mean(per_elem)
     return per_elem.mean(dim=tuple(range(1, per_elem.ndim)))

@@ -205,8 +205,9 @@ def kl_value(sde: SDEParams, objective: Objective, mean: torch.Tensor, ref_mean:
              std: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
     """(B,) KL of the step to the reference in the configured form (gradient through ``mean``)."""
     if objective.kl_form == "flow_grpo":
-        return kl_loss(mean, ref_mean, std_t=sde.std_t(sigma, sigma_next), form="flow_grpo")
-    return kl_loss(mean, ref_mean, transition_std=std, form="exact")
+        return kl_loss(mean, ref_mean, std_t=sde.std_t(sigma, sigma_next), form="flow_grpo",
+                       sample_mean=sde.sample_mean)
+    return kl_loss(mean, ref_mean, transition_std=std, form="exact", sample_mean=sde.sample_mean)
 
 
 def unit_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,

@@ -1,9 +1,9 @@
-"""A world-size-2 FSDP2 checkpoint continues at world size 1 and at TP=2 as the world-size-2 run does.
+"""A world-size-2 FSDP2 checkpoint continues at world size 1, at TP=2 and at CP=2 as the world-size-2 run does.
 
 The reference run trains 3 steps at world size 2 (FSDP2 over both ranks) and saves after steps 2 and 3. Its
-step-2 checkpoint is then resumed at world size 1 and at ``parallel.tp=2`` (2 ranks, no data parallelism); the
-weights after step 3 must equal the reference's within 1e-5 relative (fp32), and the update of step 3 must point
-the same way. The reward is smooth in the pixels: layouts differ by fp32 rounding, which a JPEG size can turn
+step-2 checkpoint is then resumed at world size 1, at ``parallel.tp=2`` and at ``parallel.cp=2`` (2 ranks, no
+data parallelism); the weights after step 3 must equal the reference's within 1e-5 relative (fp32), and the
+update of step 3 must point the same way. The reward is smooth in the pixels: layouts differ by fp32 rounding, which a JPEG size can turn
 into different advantages.
 """
 
@@ -74,6 +74,13 @@ def test_resume_at_world_size_1(reference, tmp_path):
 def test_resume_at_tp2(reference, tmp_path):
     run = _resumed_copy(reference, tmp_path / "tp2")
     _torchrun(run, "parallel.tp=2", f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
+    _check(reference, run)
+
+
+def test_resume_at_cp2(reference, tmp_path):
+    """The data-parallel checkpoint continues with each sample's tokens split over 2 ranks (cp 1 -> 2)."""
+    run = _resumed_copy(reference, tmp_path / "cp2")
+    _torchrun(run, "parallel.cp=2", f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
     _check(reference, run)
 
 

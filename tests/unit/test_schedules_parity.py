@@ -53,6 +53,10 @@ class Case:
     accumulate: str = "per_sample"
     num_steps: int = 4
     tp: int = 1
+    cp: int = 1
+    """parallel.cp: the tokens of each sample split over cp ranks."""
+    heads: Optional[int] = None
+    """Attention heads of the tiny policy (None: the preset's 2); tp x cp must divide them."""
     reshard: Optional[bool] = None
     """parallel.reshard_after_forward (False: parameters stay gathered until the optimizer step; None: auto)."""
     async_scoring: bool = False
@@ -107,7 +111,8 @@ def _setup(case: Case):
     from leangrpo_mcore.models import LoRAConfig, apply_lora, build_policy, mark_only_lora_trainable
     from leangrpo_mcore.models.common.tp import full_shape, shard_tensor
 
-    policy = build_policy({"family": case.family, "preset": "tiny"}, seed=0, backend="local")
+    heads = {} if case.heads is None else {"num_attention_heads": case.heads}
+    policy = build_policy({"family": case.family, "preset": "tiny", **heads}, seed=0, backend="local")
     if case.lora:
         apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, targets=("to_q", "to_v")), seed=0)
         mark_only_lora_trainable(policy)
@@ -147,7 +152,7 @@ def _full(t: torch.Tensor, param: torch.nn.Parameter) -> np.ndarray:
 
 def run_case(case: Case, reward_fn=None) -> Outcome:
     """Build the tiny policy (FSDP2 over the data-parallel ranks when distributed) and run one step."""
-    ctx = build_parallel_context(Layout(tp=case.tp))
+    ctx = build_parallel_context(Layout(tp=case.tp, cp=case.cp))
     policy, velocity, shape, sigmas, kind, noise, cond = _setup(case)
     apply_fsdp(policy, ctx)
     plan = StepPlan(

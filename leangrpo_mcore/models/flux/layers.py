@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from leangrpo_mcore.models.common.context_parallel import SequenceShards, attend
 from leangrpo_mcore.models.common.embeddings import modulate
 from leangrpo_mcore.models.common.norms import LayerNorm, RMSNorm
 from leangrpo_mcore.models.common.rope import apply_rotary
@@ -114,8 +115,11 @@ class FluxAttention(torch.nn.Module):
         return q_norm(self._heads(q_proj(x))), k_norm(self._heads(k_proj(x))), self._heads(v_proj(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                context: torch.Tensor | None = None):
-        """Single: ``x`` (B, S, dim) -> (B, S, dim / tp). Joint: (x, context) -> (x_out, context_out)."""
+                context: torch.Tensor | None = None, shards: SequenceShards | None = None):
+        """Single: ``x`` (B, S, dim) -> (B, S, dim / tp). Joint: (x, context) -> (x_out, context_out).
+
+        ``shards`` (context parallelism): the tokens here are this rank's piece of the joint sequence.
+        """
         q, k, v = self._qkv(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k)
         if self.joint:
             if context is None:
@@ -124,7 +128,7 @@ class FluxAttention(torch.nn.Module):
                                    self.norm_added_q, self.norm_added_k)
             # Text tokens come first in the joint sequence, matching the order of the RoPE ids.
             q, k, v = torch.cat([cq, q], dim=1), torch.cat([ck, k], dim=1), torch.cat([cv, v], dim=1)
-        out = self.core_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
+        out = attend(self.core_attention, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, shards)
         if not self.joint:
             return out
         text_len = context.shape[1]
@@ -146,11 +150,11 @@ class FluxDoubleBlock(torch.nn.Module):
         self.ff_context = FeedForward(dim, hidden, backend=backend, config=config)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, shards: SequenceShards | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Image tokens ``x`` (B, S_img, dim), text tokens ``context`` (B, S_txt, dim) -> both updated."""
         x_norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, temb)
         c_norm, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(context, temb)
-        attn_x, attn_c = self.attn(x_norm, cos, sin, context=c_norm)
+        attn_x, attn_c = self.attn(x_norm, cos, sin, context=c_norm, shards=shards)
         x = x + gate_msa[:, None] * attn_x
         x = x + gate_mlp[:, None] * self.ff(modulate(self.norm2(x), shift_mlp, scale_mlp))
         context = context + c_gate_msa[:, None] * attn_c
@@ -177,9 +181,10 @@ class FluxSingleBlock(torch.nn.Module):
         self.proj_out = backend.row_parallel_linear(dim + mlp_hidden, dim, config=config)
         mark_tp_partitioned(self.proj_out.weight, 1, segments=(dim, mlp_hidden))
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                shards: SequenceShards | None = None) -> torch.Tensor:
         """Joint tokens (B, S_txt + S_img, dim) -> updated."""
         x_norm, gate = self.norm(x, temb)
         mlp = F.gelu(self.proj_mlp(x_norm), approximate="tanh")
-        attn = self.attn(x_norm, cos, sin)
+        attn = self.attn(x_norm, cos, sin, shards=shards)
         return x + gate[:, None] * self.proj_out(torch.cat([attn, mlp], dim=2))

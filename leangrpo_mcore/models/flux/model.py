@@ -6,6 +6,7 @@ import torch
 
 from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
+from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
 from leangrpo_mcore.models.common.rope import multi_axis_rope_cos_sin
 from leangrpo_mcore.models.common.tp import full_shape
@@ -121,23 +122,38 @@ class FluxTransformer(torch.nn.Module):
         """Velocity (B, S_img, out_channels * patch^2) for packed latents ``hidden_states`` (B, S_img, C).
 
         ``timestep`` and ``guidance`` are (B,) sigmas / guidance scales (embedded after x1000);
-        ``img_ids`` (S_img, 3) and ``txt_ids`` (S_txt, 3) are RoPE positions.
+        ``img_ids`` (S_img, 3) and ``txt_ids`` (S_txt, 3) are RoPE positions. Under context parallelism the
+        inputs and the output are whole on every CP rank, the blocks see this rank's tokens only, and the
+        output's gradient is summed over the CP group (``gather_sequence``).
         """
         self._check_inputs(hidden_states, encoder_hidden_states, guidance)
+        cos, sin = self._rope(img_ids, txt_ids)
+        img_shards, joint_shards = None, None
+        if cp_group() is not None:
+            # Context parallelism: this rank keeps its piece of the text and of the image tokens; the joint
+            # sequence of every block is [its text, its image] (context_parallel's module doc).
+            txt_shards = SequenceShards.split(encoder_hidden_states.shape[1])
+            img_shards = SequenceShards.split(hidden_states.shape[1])
+            joint_shards = txt_shards.joint(img_shards)
+            hidden_states = img_shards.shard(hidden_states, 1)
+            encoder_hidden_states = txt_shards.shard(encoder_hidden_states, 1)
+            text_rows, img_rows = cos.split([txt_shards.total, img_shards.total])
+            cos = torch.cat([txt_shards.shard(text_rows, 0), img_shards.shard(img_rows, 0)])
+            text_rows, img_rows = sin.split([txt_shards.total, img_shards.total])
+            sin = torch.cat([txt_shards.shard(text_rows, 0), img_shards.shard(img_rows, 0)])
         x = self.x_embedder(hidden_states)
         t = timestep.to(x.dtype) * TIMESTEP_SCALE
         g = None if guidance is None else guidance.to(x.dtype) * TIMESTEP_SCALE
         temb = self.time_text_embed(t, g, pooled_projections)
         context = self.context_embedder(encoder_hidden_states)
-        cos, sin = self._rope(img_ids, txt_ids)
-        checkpointing = self.config.activation_checkpointing
+        checkpointing, fp8 = self.config.activation_checkpointing, bool(self.config.fp8)
         for block in self.transformer_blocks:
-            x, context = maybe_checkpoint(block, x, context, temb, cos, sin, enabled=checkpointing,
-                                          fp8=bool(self.config.fp8))
+            x, context = maybe_checkpoint(block, x, context, temb, cos, sin, joint_shards, enabled=checkpointing,
+                                          fp8=fp8)
         text_len = context.shape[1]
         # Single-stream blocks run on the joint [text, image] sequence.
         joint = torch.cat([context, x], dim=1)
         for block in self.single_transformer_blocks:
-            joint = maybe_checkpoint(block, joint, temb, cos, sin, enabled=checkpointing, fp8=bool(self.config.fp8))
+            joint = maybe_checkpoint(block, joint, temb, cos, sin, joint_shards, enabled=checkpointing, fp8=fp8)
         x = self.norm_out(joint[:, text_len:], temb)
-        return self.proj_out(x)
+        return gather_sequence(self.proj_out(x), img_shards, 1)

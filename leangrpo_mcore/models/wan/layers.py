@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from leangrpo_mcore.models.backends import BackendProvider
+from leangrpo_mcore.models.common.context_parallel import SequenceShards, attend
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
 from leangrpo_mcore.models.common.init import normal_init, set_init
 from leangrpo_mcore.models.common.norms import LayerNorm, TPRMSNorm
@@ -99,16 +100,20 @@ class WanAttention(nn.Module):
         self.to_out = backend.row_parallel_linear(dim, dim, config=config)
 
     def forward(
-        self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rope: Optional[RopeTables] = None
+        self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rope: Optional[RopeTables] = None,
+        shards: Optional[SequenceShards] = None,
     ) -> torch.Tensor:
-        """``x`` (B, S, D) attends to itself (``context`` None) or to ``context`` (B, L, D); returns (B, S, D)."""
+        """``x`` (B, S, D) attends to itself (``context`` None) or to ``context`` (B, L, D); returns (B, S, D).
+
+        ``shards`` (context-parallel self-attention): ``x`` is this rank's piece of the video tokens.
+        """
         source = x if context is None else context
         q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads_local, self.head_dim))
         k = self.norm_k(self.to_k(source)).unflatten(-1, (self.heads_local, self.head_dim))
         v = self.to_v(source).unflatten(-1, (self.heads_local, self.head_dim))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return self.to_out(self.core_attention(q, k, v).type_as(q))
+        return self.to_out(attend(self.core_attention, q, k, v, shards).type_as(q))
 
 
 class WanFeedForward(nn.Module):
@@ -158,14 +163,19 @@ class WanBlock(nn.Module):
         self.scale_shift_table = modulation_table(6, dim, dtype)
 
     def forward(
-        self, hidden_states: torch.Tensor, context: torch.Tensor, modulation: torch.Tensor, rope: RopeTables
+        self, hidden_states: torch.Tensor, context: torch.Tensor, modulation: torch.Tensor, rope: RopeTables,
+        shards: Optional[SequenceShards] = None,
     ) -> torch.Tensor:
-        """``hidden_states`` (B, S, D), ``context`` (B, L, D), ``modulation`` (B[, S], 6, D) -> (B, S, D)."""
+        """``hidden_states`` (B, S, D), ``context`` (B, L, D), ``modulation`` (B[, S], 6, D) -> (B, S, D).
+
+        Under context parallelism (``shards``) the video tokens are this rank's piece; the text stays whole, so
+        cross-attention needs no exchange.
+        """
         shift, scale, gate, c_shift, c_scale, c_gate = split_modulation(self.scale_shift_table, modulation)
         h = hidden_states
         # Residual adds and modulations run in fp32, the sublayers in the model dtype (as the reference).
         x = (self.norm1(h.float()) * (1 + scale) + shift).type_as(h)
-        h = (h.float() + self.attn1(x, rope=rope) * gate).type_as(h)
+        h = (h.float() + self.attn1(x, rope=rope, shards=shards) * gate).type_as(h)
         h = h + self.attn2(self.norm2(h.float()).type_as(h), context=context)
         x = (self.norm3(h.float()) * (1 + c_scale) + c_shift).type_as(h)
         return (h.float() + self.ffn(x).float() * c_gate).type_as(h)

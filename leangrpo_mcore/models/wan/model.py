@@ -14,6 +14,7 @@ from torch import nn
 
 from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
+from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.norms import LayerNorm
 from leangrpo_mcore.models.common.tp import full_shape
 from leangrpo_mcore.models.wan.config import WanConfig
@@ -119,6 +120,9 @@ class WanModel(nn.Module):
     ) -> torch.Tensor:
         """Velocity (B, C_out, F, H, W) for latents ``hidden_states`` (B, C, F, H, W) at ``timestep`` (B,)
         (or per-token (B, S), as Wan2.2-TI2V) given text states ``encoder_hidden_states`` (B, L, text_dim).
+
+        Under context parallelism the inputs and the output are whole on every CP rank, the blocks see this rank's
+        video tokens only, and the output's gradient is summed over the CP group (``gather_sequence``).
         """
         grid = self._patch_grid(hidden_states.shape)
         if encoder_hidden_states.ndim != 3 or encoder_hidden_states.shape[-1] != self.config.text_dim:
@@ -127,13 +131,19 @@ class WanModel(nn.Module):
         batch, seq = hidden_states.shape[0], math.prod(grid)
         timestep = self._check_timestep(timestep, batch, seq)
         rope = rope_tables(self.config, grid, hidden_states.device)
-        h = self.patch_embedding(self._patchify(hidden_states, grid))
+        tokens = self._patchify(hidden_states, grid)
+        shards = None
+        if cp_group() is not None:
+            # Context parallelism: this rank keeps its piece of the video tokens (and of their RoPE rows and
+            # per-token timesteps); the text stays whole on every rank.
+            shards = SequenceShards.split(seq)
+            tokens, rope = shards.shard(tokens, 1), tuple(shards.shard(table, 0) for table in rope)
+            timestep = shards.shard(timestep, 1) if timestep.ndim == 2 else timestep
+        h = self.patch_embedding(tokens)
         temb, modulation, context = self.condition_embedder(timestep, encoder_hidden_states)
         for block in self.layers:
-            h = maybe_checkpoint(block, h, context, modulation, rope, enabled=self.config.activation_checkpointing,
-                                 fp8=bool(self.config.fp8))
+            h = maybe_checkpoint(block, h, context, modulation, rope, shards,
+                                 enabled=self.config.activation_checkpointing, fp8=bool(self.config.fp8))
         shift, scale = split_modulation(self.scale_shift_table, temb.unsqueeze(-2))
         h = (self.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
-        return self._unpatchify(self.proj_out(h), grid)
-
-
+        return self._unpatchify(gather_sequence(self.proj_out(h), shards, 1), grid)
