@@ -67,7 +67,7 @@ class Simulation:
 
 
 @contextlib.contextmanager
-def fake_world(world_size: int, tp: int, rank: int = 0) -> Iterator[None]:
+def fake_world(world_size: int, tp: int, cp: int = 1, rank: int = 0) -> Iterator[None]:
     """A fake default process group of ``world_size`` ranks (this process is ``rank``) and megatron's groups."""
     from megatron.core import parallel_state
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -77,7 +77,8 @@ def fake_world(world_size: int, tp: int, rank: int = 0) -> Iterator[None]:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         # megatron's gloo side groups cannot be built on a fake backend, and nothing here uses them
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                                 create_gloo_process_groups=False)
         yield
     finally:
         if parallel_state.model_parallel_is_initialized():
@@ -161,7 +162,7 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
 
     start = time.perf_counter()
     schedule = schedule or config.schedule.name
-    with fake_world(world_size, config.parallel.tp, rank):
+    with fake_world(world_size, config.parallel.tp, config.parallel.cp, rank):
         sim = SimulationMode()
         with sim:
             ledger = sim.ledger
