@@ -48,6 +48,27 @@ _INDEXING = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torc
              torch.ops.aten._unsafe_index.Tensor}
 
 
+STAGING_BACKENDS = ("nccl", "gloo")
+"""Collective backends whose internal copies :class:`SimulationMode` knows: NCCL makes none; gloo flattens a
+reduce-scatter's input and an all-gather's output into a buffer of its own while the collective runs (measured:
+peak = input size and output size, allocated inside the op, which a dispatch mode does not see)."""
+
+
+def _staging_bytes(func, args: tuple, backend: str) -> int:
+    """Bytes a collective of ``backend`` allocates inside the op (see :data:`STAGING_BACKENDS`)."""
+    if backend != "gloo" or func.namespace != "c10d":
+        return 0
+    name = func.__name__
+    if "reduce_scatter" in name:
+        which = args[1]
+    elif "allgather" in name:
+        which = args[0]
+    else:
+        return 0
+    tensors = _tensors(which, [])
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _real_mask_indices(args: tuple) -> tuple:
     """Indexing a fake tensor with a real boolean mask: the mask as the positions it selects (computed for real),
     so the result's shape is known (a fake mask's would depend on data)."""
@@ -93,10 +114,24 @@ class MemoryLedger:
         if entry is None:
             return
         change = storage.nbytes() - entry[1]
+        if change < 0 and self._peak_stale:
+            self._capture()
         entry[1] = storage.nbytes()
         self._grow(change)
 
+    def transient(self, nbytes: int) -> None:
+        """``nbytes`` allocated and freed again at once (an op's internal buffer)."""
+        self._serial += 1
+        entry = [self._serial, nbytes, self.label]
+        self._live[entry[0]] = entry
+        self._grow(nbytes)
+        if self._peak_stale:
+            self._capture()
+        self._remove(entry[0])
+
     def _remove(self, serial: int) -> None:
+        if serial in self._live and self._peak_stale:
+            self._capture()  # the state at the peak, before this storage goes
         entry = self._live.pop(serial, None)
         if entry is not None:
             self._grow(-entry[1])
@@ -106,11 +141,9 @@ class MemoryLedger:
         if self.total > self.peak:
             self.peak = self.total
             self._peak_stale = True
-        elif self._peak_stale and change < 0:
-            self._capture()
 
     def _capture(self) -> None:
-        """Remember who was live at the peak (taken lazily: at the first free after a new peak)."""
+        """Remember who was live at the peak (taken lazily: just before the first free after a new peak)."""
         self._peak_live = {serial: (entry[1], entry[2]) for serial, entry in self._live.items()}
         self._peak_stale = False
 
@@ -181,8 +214,11 @@ def _has_tensor_args(func) -> bool:
 class SimulationMode(TorchDispatchMode):
     """See the module docstring. ``with SimulationMode() as sim:`` … ``sim.ledger``, ``sim.fake_mode``."""
 
-    def __init__(self, small_numel: int = SMALL_NUMEL) -> None:
+    def __init__(self, small_numel: int = SMALL_NUMEL, backend: str = "nccl") -> None:
         super().__init__()
+        if backend not in STAGING_BACKENDS:
+            raise ValueError(f"unknown collective backend {backend!r}; known: {', '.join(STAGING_BACKENDS)}")
+        self.backend = backend
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.ledger = MemoryLedger()
         self.small_numel = small_numel
@@ -227,6 +263,10 @@ class SimulationMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
+        staging = _staging_bytes(func, args, self.backend)
+        if staging:
+            with self.ledger.labelled("collective_staging"):
+                self.ledger.transient(staging)
         fakes = [t for t in _tensors((args, kwargs), []) if isinstance(t, FakeTensor)]
         if fakes:
             if any(t.fake_mode is not self.fake_mode for t in fakes):

@@ -58,6 +58,8 @@ class Simulation:
     """Python numbers read out of fake tensors (made up)."""
     not_simulated: tuple[str, ...] = NOT_SIMULATED
     notes: list[str] = field(default_factory=list)
+    by_label: dict[str, int] = field(default_factory=dict)
+    """Bytes at the peak by allocation label (the phase, ``:grad`` for grad-enabled forwards) or mark."""
 
     def as_json(self) -> dict:
         return {"simulated_peak_bytes": self.peak_bytes, "simulated_step_peak_bytes": self.step_peak_bytes,
@@ -89,9 +91,11 @@ def fake_world(world_size: int, tp: int, cp: int = 1, rank: int = 0) -> Iterator
 def _conditioning(config: Config, hyper: dict, family: str, prompts: int) -> Conditioning:
     """Zeros in the shapes the configured text encoder gives ``prompts`` prompts."""
     from leangrpo_mcore.data.conditioning import TextDims
+    from leangrpo_mcore.engine.build import HASHED_TEXT_LENGTH
 
     m, s = config.model, config.sampler
-    dims = TextDims.for_policy(family, hyper, max_length=m.text_max_length)
+    length = HASHED_TEXT_LENGTH if m.text_encoder == "hashed" else m.text_max_length
+    dims = TextDims.for_policy(family, hyper, max_length=length)
     tokens = torch.zeros(prompts, dims.max_length, dims.text_dim)
     pooled = None if dims.pooled_dim is None else torch.zeros(prompts, dims.pooled_dim)
     negative = torch.zeros_like(tokens) if s.cfg_scale > 1.0 else None
@@ -153,9 +157,10 @@ def _initialise_optimizer(sim: SimulationMode, engine) -> None:
 
 
 def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: Optional[str] = None,
-                  steps: int = 1) -> Simulation:
+                  steps: int = 1, backend: str = "nccl") -> Simulation:
     """Simulate ``steps`` training steps of rank ``rank`` of ``config`` at ``world_size`` after an optimizer step
-    that creates the optimizer state; the last is measured."""
+    that creates the optimizer state; the last is measured. ``backend`` is the collective backend whose internal
+    buffers count (``nccl``: none; ``gloo``, to compare with a CPU run: its staging copies)."""
     from leangrpo_mcore.engine import build
     from leangrpo_mcore.engine.launch import DistContext
     from leangrpo_mcore.engine.step import StepInputs
@@ -163,7 +168,7 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
     start = time.perf_counter()
     schedule = schedule or config.schedule.name
     with fake_world(world_size, config.parallel.tp, config.parallel.cp, rank):
-        sim = SimulationMode()
+        sim = SimulationMode(backend=backend)
         with sim:
             ledger = sim.ledger
             pctx = build.build_context(config, DistContext(rank, world_size, 0, torch.device("cpu"), "fake", False))
@@ -199,7 +204,7 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
     for label, nbytes in raw.items():
         breakdown[_category(label, schedule)] += nbytes
     return Simulation(peak_bytes=peak, step_peak_bytes=peak - level, breakdown=breakdown,
-                      seconds=time.perf_counter() - start, fake_reads=sim.fake_reads)
+                      seconds=time.perf_counter() - start, fake_reads=sim.fake_reads, by_label=raw)
 
 
 BASE_BLOCKS = 2
@@ -240,7 +245,8 @@ def _combine(parts: list[tuple[float, Simulation]], seconds: float, note: str) -
                       notes=[note])
 
 
-def simulate(config: Config, world_size: int, *, schedule: Optional[str] = None, rank: int = 0) -> Simulation:
+def simulate(config: Config, world_size: int, *, schedule: Optional[str] = None, rank: int = 0,
+             backend: str = "nccl") -> Simulation:
     """One rank's steady-state step of ``config`` at ``world_size``.
 
     A policy small enough is simulated as it is. A full-size one is simulated with :data:`BASE_BLOCKS` blocks of
@@ -255,12 +261,13 @@ def simulate(config: Config, world_size: int, *, schedule: Optional[str] = None,
     counts = block_counts(config)
     extrapolated = len(counts) * (len(counts) * BASE_BLOCKS + 1)  # blocks simulated when extrapolating
     if sum(counts.values()) <= extrapolated or min(counts.values()) < BASE_BLOCKS:
-        return simulate_step(config, world_size, schedule=schedule, rank=rank)
+        return simulate_step(config, world_size, schedule=schedule, rank=rank, backend=backend)
     base = {key: BASE_BLOCKS for key in counts}
-    runs = [simulate_step(with_blocks(config, base), world_size, schedule=schedule, rank=rank)]
+    runs = [simulate_step(with_blocks(config, base), world_size, schedule=schedule, rank=rank,
+                          backend=backend)]
     for key in counts:
         runs.append(simulate_step(with_blocks(config, {**base, key: BASE_BLOCKS + 1}), world_size,
-                                  schedule=schedule, rank=rank))
+                                  schedule=schedule, rank=rank, backend=backend))
     # peak(n) = peak(base) + sum over kinds k of (n_k - base) * (peak(base + one block of kind k) - peak(base))
     extra = {key: counts[key] - BASE_BLOCKS for key in counts}
     weights = [(1.0 - sum(extra.values()), runs[0])] + [(float(extra[key]), sim) for key, sim in zip(counts, runs[1:])]

@@ -30,7 +30,7 @@ def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_sc
     data = {
         "model": {"family": arch.family, "preset": None, "arch": dict(arch.config), "backend": "local",
                   "dtype": "float32" if work.precision.compute_bytes == 4 else "bfloat16",
-                  "master_dtype": "float32", "text_encoder": "hashed", "vae": "tiny",
+                  "master_dtype": "float32", "text_encoder": "diffusers", "vae": "tiny",
                   "text_max_length": int(work.tokens["text"]),
                   "lora": {"rank": work.lora_rank, "alpha": 2 * max(work.lora_rank, 1),
                            "targets": list(work.lora_targets) or None}},
