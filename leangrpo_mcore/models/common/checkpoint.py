@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.models.common.tp import full_shape, gather_tensor, is_tp_partitioned, shard_ranges, shard_tensor
+from leangrpo_mcore.models.common.tp import full_shape, gather_tensor, is_tp_partitioned, shard_range, shard_tensor
 
 FORMAT_NAME = "leangrpo_mcore.policy"
 FORMAT_VERSION = 1
@@ -148,14 +148,12 @@ class TensorSource:
             return self.get(key)
         view, dim = self._slice(key), like.partition_dim
         shape = view.get_shape()
-        pieces = []
-        for start, stop in shard_ranges(like, shape[dim]):
-            index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
-            try:
-                pieces.append(view[index])
-            except Exception as exc:  # noqa: BLE001
-                raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        start, stop = shard_range(like, shape[dim])
+        index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
+        try:
+            return view[index]
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
 
 
 class MemorySource(TensorSource):
