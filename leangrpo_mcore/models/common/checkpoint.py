@@ -2,7 +2,7 @@
 
 Our format is a directory holding
 
-- ``leangrpo_model.json``: ``{"format": "leangrpo_mcore.policy", "version": 1, "family": ...,
+- ``leangrpo_model.json``: ``{"format": "leangrpo_mcore.policy", "version": 2, "family": ...,
   "config": <diffusers-style hyper-parameters>, "lora": null | {"rank", "alpha", "targets"}}``;
 - ``model.safetensors``: the FULL (TP-gathered) tensors under our parameter names, or, in a training
   checkpoint, ``dcp/``: the sharded ``torch.distributed.checkpoint`` files holding them under ``model/<name>``
@@ -27,7 +27,8 @@ from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models.common.tp import full_shape, gather_tensor, is_tp_partitioned, shard_range, shard_tensor
 
 FORMAT_NAME = "leangrpo_mcore.policy"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: fused q/k/v and FLUX's single-block ``proj_out`` are stored in their per-head layouts (``docs/models.md``)."""
 META_FILE = "leangrpo_model.json"
 WEIGHTS_FILE = "model.safetensors"
 DCP_DIR = "dcp"

@@ -130,10 +130,10 @@ def _add_slot_outputs(slots: tuple, x: torch.Tensor, out: torch.Tensor) -> torch
         return out
     parts, unit = len(slots), slots[0].unit
     heads = out.shape[-1] // (parts * unit)
-    deltas = [lora_delta(slot, x).unflatten(-1, (heads, unit)) for slot, on in zip(slots, active) if on]
-    zeros = deltas[0].new_zeros(()).expand_as(deltas[0])
-    it = iter(deltas)
-    stacked = torch.stack([next(it) if on else zeros for on in active], dim=-2)
+    deltas = [lora_delta(slot, x).unflatten(-1, (heads, unit)) if on else None for slot, on in zip(slots, active)]
+    like = next(d for d in deltas if d is not None)
+    zeros = like.new_zeros(()).expand_as(like)
+    stacked = torch.stack([zeros if d is None else d for d in deltas], dim=-2)  # (..., heads, parts, unit)
     return out + stacked.flatten(-3).to(out.dtype)
 
 

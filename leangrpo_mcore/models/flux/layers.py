@@ -65,11 +65,11 @@ class _GeluProjection(torch.nn.Module):
 
     def __init__(self, dim: int, hidden: int, *, backend, config) -> None:
         super().__init__()
-        self.proj = backend.column_parallel_linear(dim, hidden, config=config)
+        self.proj = backend.column_parallel_linear(dim, hidden, config=config, activation="gelu_tanh")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Project to this rank's hidden units and apply tanh-GELU."""
-        return F.gelu(self.proj(x), approximate="tanh")
+        """Project to this rank's hidden units and apply tanh-GELU (inside the linear, fused with its bias)."""
+        return self.proj(x)
 
 
 class FeedForward(torch.nn.Module):
@@ -182,14 +182,14 @@ class FluxSingleBlock(torch.nn.Module):
         dim, mlp_hidden = config.hidden_size, config.ffn_hidden_size
         self.mlp_per_head = divide(mlp_hidden, config.num_attention_heads)
         self.norm = AdaLayerNormZero(dim, 3, backend=backend, config=config)
-        self.proj_mlp = backend.column_parallel_linear(dim, mlp_hidden, config=config)
+        self.proj_mlp = backend.column_parallel_linear(dim, mlp_hidden, config=config, activation="gelu_tanh")
         self.attn = FluxAttention(config, backend=backend, joint=False)
         self.proj_out = backend.row_parallel_linear(dim + mlp_hidden, dim, config=config)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Joint tokens (B, S_txt + S_img, dim) -> updated."""
         x_norm, gate = self.norm(x, temb)
-        mlp = F.gelu(self.proj_mlp(x_norm), approximate="tanh")
+        mlp = self.proj_mlp(x_norm)  # tanh-GELU applied by the linear
         heads = self.attn.local_heads
         attn = self.attn(x_norm, cos, sin).unflatten(-1, (heads, self.attn.head_dim))
         features = torch.cat([attn, mlp.unflatten(-1, (heads, self.mlp_per_head))], dim=-1).flatten(-2)

@@ -59,12 +59,13 @@ class WanTextEmbedder(nn.Module):
 
     def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
         super().__init__()
-        self.linear_1 = backend.column_parallel_linear(config.text_dim, config.hidden_size, config=config)
+        self.linear_1 = backend.column_parallel_linear(config.text_dim, config.hidden_size, config=config,
+                                                       activation="gelu_tanh")
         self.linear_2 = backend.row_parallel_linear(config.hidden_size, config.hidden_size, config=config)
 
     def forward(self, text: torch.Tensor) -> torch.Tensor:
-        """Project the text encoder's states to the model width."""
-        return self.linear_2(F.gelu(self.linear_1(text), approximate="tanh"))
+        """Project the text encoder's states to the model width (the GELU is applied by ``linear_1``)."""
+        return self.linear_2(self.linear_1(text))
 
 
 class WanConditionEmbedder(nn.Module):
@@ -119,15 +120,14 @@ class WanAttention(nn.Module):
         if self.cross != (context is not None):
             raise ValueError("cross-attention needs the text context; self-attention takes none")
         heads = (self.heads_local, self.head_dim)
+        # The fused outputs are (head, {q, k, v} or {k, v}, head_dim) per token: see the module doc. The norms
+        # read the strided per-head views as they are.
         if self.cross:
-            q = self.to_q(x)
-            # The fused output is (head, {k, v}, head_dim) per token: see the module doc.
+            q = self.to_q(x).unflatten(-1, heads)
             k, v = self.to_kv(context).unflatten(-1, (self.heads_local, 2, self.head_dim)).unbind(-2)
         else:
             q, k, v = self.to_qkv(x).unflatten(-1, (self.heads_local, 3, self.head_dim)).unbind(-2)
-            q = q.flatten(-2)
-        q = self.norm_q(q).unflatten(-1, heads)
-        k = self.norm_k(k.flatten(-2)).unflatten(-1, heads)
+        q, k = self.norm_q(q, heads=True), self.norm_k(k, heads=True)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return self.to_out(self.core_attention(q, k, v).type_as(q))
@@ -138,12 +138,13 @@ class WanFeedForward(nn.Module):
 
     def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
         super().__init__()
-        self.fc1 = backend.column_parallel_linear(config.hidden_size, config.ffn_hidden_size, config=config)
+        self.fc1 = backend.column_parallel_linear(config.hidden_size, config.ffn_hidden_size, config=config,
+                                                  activation="gelu_tanh")
         self.fc2 = backend.row_parallel_linear(config.ffn_hidden_size, config.hidden_size, config=config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> (..., D)."""
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        """(..., D) -> (..., D); the GELU is applied by ``fc1``."""
+        return self.fc2(self.fc1(x))
 
 
 def modulation_table(n: int, dim: int, dtype: torch.dtype) -> nn.Parameter:
