@@ -148,6 +148,10 @@ class LocalColumnParallelLinear(ColumnParallelLinear, AdapterHostMixin):
         if self.tp_alone:  # the bias is fused into the GEMM (addmm)
             return activate(self.add_adapter_output(x, F.linear(x, self.weight, self.bias)), self.activation)
         out, bias = _flat_call(super().forward, x)
+        if bias is not None and not out.is_cuda:
+            # Nothing to fuse on the CPU: add the bias before the adapters, the order of the TP=1 path, so that
+            # TP sizes differ by the GEMMs' rounding only.
+            out, bias = out + bias, None
         return activate(self.add_adapter_output(x, out), self.activation, bias)
 
 
