@@ -93,7 +93,7 @@ def _split_lora(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, tuple
     adapters = {}
     for host in hosts:
         a, b = f"{host}.lora_A.weight", f"{host}.lora_B.weight"
-        if a not in tensors or b not in tensors or f"{host}.weight" not in base:
+        if a not in tensors or b not in tensors:
             raise UserError(f"checkpoint has an incomplete LoRA adapter at {host}")
         adapters[host] = (tensors[a], tensors[b])
     if len(base) + 2 * len(adapters) != len(tensors):
@@ -101,12 +101,41 @@ def _split_lora(tensors: dict[str, torch.Tensor]) -> tuple[dict, dict[str, tuple
     return base, adapters
 
 
+def adapters_in_diffusers_terms(family, config, adapters: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{diffusers linear name: (A, B)}`` from ``{our host name: (A, B)}``, through the family's plan.
+
+    A host that is one stored tensor keeps its factors; a host whose weight interleaves its input columns
+    (FLUX's single-block ``proj_out``) has A's columns put back in diffusers' order; a LoRA slot of a fused
+    projection (``attn.to_q``) has no weight of its own and is diffusers' linear of the same name.
+    """
+    from leangrpo_mcore.models.common.assembly import disassemble, with_leading
+
+    plan = family.diffusers_plan(config)
+    rename = family.name_to_diffusers or (lambda name: name)
+    out = {}
+    for host, (a, b) in adapters.items():
+        weight = plan.get(f"{host}.weight")
+        keys = [] if weight is None else sorted({piece.key for piece in weight.pieces})
+        if weight is None:
+            out[rename(f"{host}.weight")[: -len(".weight")]] = (a, b)
+        elif len(weight.pieces) == 1:
+            out[keys[0][: -len(".weight")]] = (a, b)
+        elif weight.dim == 1 and len(keys) == 1:
+            layout = with_leading(weight, a.shape[0], lambda key: key)
+            out[keys[0][: -len(".weight")]] = (disassemble({"A": a}, {"A": layout}, "LoRA A")[keys[0]], b)
+        else:
+            raise UserError(f"cannot name the adapter of {host} in diffusers terms")
+    return out
+
+
 def merge_adapters(base: dict[str, torch.Tensor], adapters: dict, scaling: float) -> dict[str, torch.Tensor]:
-    """Base tensors with ``W + scaling * B @ A`` folded in (fp32 math, the same formula as merge_lora)."""
+    """Base tensors with ``W + scaling * B @ A`` folded in (fp32 math, the same formula as merge_lora; a
+    convolution kernel takes the product in its own shape)."""
     merged = dict(base)
     for host, (a, b) in adapters.items():
         weight = base[f"{host}.weight"]
-        merged[f"{host}.weight"] = (weight.float() + (b.float() @ a.float()) * scaling).to(weight.dtype)
+        delta = ((b.float() @ a.float()) * scaling).reshape(weight.shape)
+        merged[f"{host}.weight"] = (weight.float() + delta).to(weight.dtype)
     return merged
 
 
@@ -127,21 +156,21 @@ def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite
     if adapters and not lora:
         raise UserError(f"{src} holds LoRA tensors but its metadata has no lora entry")
     scaling = float(lora["alpha"]) / float(lora["rank"]) if lora else 1.0
-    if adapters and not keep_lora:
-        base = merge_adapters(base, adapters, scaling)
     converted = family.mcore_to_diffusers(base, config)
+    # Adapters move to diffusers' linears first; there every adapter is a plain pair on one weight.
+    adapters = adapters_in_diffusers_terms(family, config, adapters)
+    missing = sorted(host for host in adapters if f"{host}.weight" not in converted)
+    if missing:
+        raise UserError(f"cannot name the adapter of {missing[0]} in diffusers terms")
+    if adapters and not keep_lora:
+        converted = merge_adapters(converted, adapters, scaling)
     if dtype is not None:
         converted = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in converted.items()}
     folder = ckpt.write_diffusers_dir(dst, class_name=family.diffusers_class_name,
                                       config=config.to_diffusers_config(), tensors=converted)
     if adapters and keep_lora:
         peft = {}
-        rename = family.name_to_diffusers or (lambda name: name)
         for host, (a, b) in adapters.items():
-            weight = rename(f"{host}.weight")
-            if weight not in converted:
-                raise UserError(f"cannot name the adapter of {host} in diffusers terms (--keep-lora)")
-            host = weight[: -len(".weight")]
             peft[f"transformer.{host}.lora_A.weight"] = a
             peft[f"transformer.{host}.lora_B.weight"] = (b.float() * scaling).to(b.dtype)
         ckpt.save_safetensors(peft, folder / LORA_FILE, metadata={"format": "pt"})

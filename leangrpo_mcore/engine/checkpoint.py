@@ -56,8 +56,9 @@ MARKER = manifest.MARKER
 STATE_FILE = "trainer_state.json"
 OPTIM_FILE = "optimizer.json"
 FORMAT = "leangrpo_mcore.train_checkpoint"
-VERSION = 2
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_segments")
+VERSION = 3
+"""3: the policy's fused q/k/v and FLUX's single-block ``proj_out`` in their per-head layouts."""
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 TPLayout = dict[str, torch.Tensor]
 

@@ -10,7 +10,9 @@ Whatever the backend:
 - parameters are named ``weight`` / ``bias`` and partitioned ones carry megatron's TP attributes, so one
   checkpoint and one converter serve both backends;
 - every linear has ``parallel_mode`` in {"column", "row", "replicated"} and ``full_in_features`` /
-  ``full_out_features`` (the unsharded sizes), and can host LoRA adapters.
+  ``full_out_features`` (the unsharded sizes), and can host LoRA adapters;
+- a column-parallel linear may apply its activation itself (``activation="gelu_tanh"``), after the adapters,
+  so that the bias is fused where the backend can (see :func:`activate`).
 
 ``core_attention`` modules take q, k, v of shape (B, S, heads_local, head_dim) and an optional boolean
 ``attn_mask`` broadcastable to (B, heads, S_q, S_k) with True = attend (torch SDPA convention), and
@@ -66,6 +68,29 @@ def resolve_backend(name: str = "auto") -> str:
     return name
 
 
+ACTIVATIONS = (None, "gelu_tanh")
+
+
+def activate(out: torch.Tensor, activation: Optional[str], bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``activation(out + bias)``; ``bias`` is given when the linear left it out of its GEMM.
+
+    megatron's linear autograd function (TP > 1) adds a bias as a separate op and sums its gradient separately;
+    megatron-core's own MLP instead takes the bias out (``skip_bias_add``) and fuses it into the activation
+    (``bias_gelu_impl``: one kernel forward, one backward, the bias gradient from the same pass). That fusion is
+    a ``torch.compile``d kernel: used on CUDA, while on the CPU (where compiling costs tens of seconds per
+    process and fuses nothing that matters) the same formula runs eagerly.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of {ACTIVATIONS}")
+    if activation is None:
+        return out if bias is None else out + bias
+    if bias is not None and out.is_cuda:
+        from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+
+        return bias_gelu_impl(out, bias)
+    return F.gelu(out if bias is None else out + bias, approximate="tanh")
+
+
 def _init_linear_params(module: torch.nn.Module, in_features: int, out_features: int, mode: str) -> None:
     # Alone in its TP group (or without megatron's parallel state) a parallel linear needs no collective, and
     # megatron's autograd function would only split the fused matmul-plus-bias into a matmul, a separate bias
@@ -98,30 +123,37 @@ class ReplicatedLinear(torch.nn.Module, AdapterHostMixin):
         return self.add_adapter_output(x, F.linear(x, self.weight, self.bias))
 
 
-def _flat_call(base_forward, x: torch.Tensor) -> torch.Tensor:
+def _flat_call(base_forward, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     # megatron's linear autograd functions compute weight/bias gradients on 2-D or 3-D inputs only;
     # flattening the leading dimensions makes every input rank safe.
-    out, _ = base_forward(x.reshape(-1, x.shape[-1]))
-    return out.view(*x.shape[:-1], out.shape[-1])
+    out, bias = base_forward(x.reshape(-1, x.shape[-1]))
+    return out.view(*x.shape[:-1], out.shape[-1]), bias
 
 
 class LocalColumnParallelLinear(ColumnParallelLinear, AdapterHostMixin):
-    """megatron ColumnParallelLinear (output sharded over TP, never gathered) returning a Tensor."""
+    """megatron ColumnParallelLinear (output sharded over TP, never gathered) returning a Tensor, optionally
+    activated (the bias then goes into the activation at TP > 1: see :func:`activate`)."""
 
-    def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig, bias: bool = True,
+                 activation: Optional[str] = None) -> None:
         super().__init__(in_features, out_features, config=config, init_method=config.init_method,
-                         bias=bias, gather_output=False, skip_bias_add=False, tp_group=tp_group())
+                         bias=bias, gather_output=False, skip_bias_add=bias and activation is not None,
+                         tp_group=tp_group())
+        self.activation = activation
         # megatron sets the weight's TP attributes only when it initialises the weight itself.
         mark_tp_partitioned(self.weight, 0)
         _init_linear_params(self, in_features, out_features, "column")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Base output plus the adapter term (see the class doc)."""
-        if self.tp_alone:
-            out = F.linear(x, self.weight, self.bias)
-        else:
-            out = _flat_call(super().forward, x)
-        return self.add_adapter_output(x, out)
+        """Base output plus the adapter term (see the class doc), activated."""
+        if self.tp_alone:  # the bias is fused into the GEMM (addmm)
+            return activate(self.add_adapter_output(x, F.linear(x, self.weight, self.bias)), self.activation)
+        out, bias = _flat_call(super().forward, x)
+        if bias is not None and not out.is_cuda:
+            # Nothing to fuse on the CPU: add the bias before the adapters, the order of the TP=1 path, so that
+            # TP sizes differ by the GEMMs' rounding only.
+            out, bias = out + bias, None
+        return activate(self.add_adapter_output(x, out), self.activation, bias)
 
 
 class LocalRowParallelLinear(RowParallelLinear, AdapterHostMixin):
@@ -138,7 +170,7 @@ class LocalRowParallelLinear(RowParallelLinear, AdapterHostMixin):
         if self.tp_alone:
             out = F.linear(x, self.weight, self.bias)
         else:
-            out = _flat_call(super().forward, x)
+            out = _flat_call(super().forward, x)[0]
         return self.add_adapter_output(x, out)
 
 
@@ -166,8 +198,8 @@ class BackendProvider:
     name = "abstract"
 
     def column_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
-                               bias: bool = True) -> torch.nn.Module:
-        """Linear whose output features are sharded over TP."""
+                               bias: bool = True, activation: Optional[str] = None) -> torch.nn.Module:
+        """Linear whose output features are sharded over TP, followed by ``activation`` (see :func:`activate`)."""
         raise NotImplementedError
 
     def row_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
@@ -198,9 +230,9 @@ class LocalBackend(BackendProvider):
     name = "local"
 
     def column_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
-                               bias: bool = True) -> torch.nn.Module:
+                               bias: bool = True, activation: Optional[str] = None) -> torch.nn.Module:
         """See :meth:`BackendProvider.column_parallel_linear`."""
-        return LocalColumnParallelLinear(in_features, out_features, config=config, bias=bias)
+        return LocalColumnParallelLinear(in_features, out_features, config=config, bias=bias, activation=activation)
 
     def row_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
                             bias: bool = True) -> torch.nn.Module:
@@ -238,7 +270,7 @@ def _te_classes():
         """TE ``Linear`` (column / row / no parallel mode) returning a Tensor, with LoRA slots."""
 
         def __init__(self, in_features: int, out_features: int, *, config: TransformerConfig, bias: bool,
-                     mode: str) -> None:
+                     mode: str, activation: Optional[str] = None) -> None:
             parallel = mode in ("column", "row")
             super().__init__(
                 in_features, out_features, bias=bias, init_method=torch.nn.init.zeros_,
@@ -248,6 +280,7 @@ def _te_classes():
                 # A policy built on the meta device (sharded materialisation) stays there until to_empty.
                 device="meta" if torch.empty(0).is_meta else "cuda",
             )
+            self.activation = activation
             self.fp8_align = fp8_alignment(getattr(config, "fp8_recipe", None))
             self._quantised_version = -1
             # TE sets megatron's TP attributes itself; restating them keeps every backend identical.
@@ -276,7 +309,7 @@ def _te_classes():
                 version = weights_version()
                 first, self._quantised_version = self._quantised_version != version, version
                 out = super().forward(x, is_first_microbatch=first)
-            return self.add_adapter_output(x, out)
+            return activate(self.add_adapter_output(x, out), self.activation)
 
     class TECoreAttention(torch.nn.Module):
         """TE ``DotProductAttention`` in "bshd" layout; picks flash / fused / unfused kernels itself."""
@@ -306,9 +339,10 @@ class TEBackend(BackendProvider):
     name = "te"
 
     def column_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
-                               bias: bool = True) -> torch.nn.Module:
-        """See :meth:`BackendProvider.column_parallel_linear`."""
-        return _te_classes()[0](in_features, out_features, config=config, bias=bias, mode="column")
+                               bias: bool = True, activation: Optional[str] = None) -> torch.nn.Module:
+        """See :meth:`BackendProvider.column_parallel_linear` (TE fuses the bias into its GEMMs itself)."""
+        return _te_classes()[0](in_features, out_features, config=config, bias=bias, mode="column",
+                                activation=activation)
 
     def row_parallel_linear(self, in_features: int, out_features: int, *, config: TransformerConfig,
                             bias: bool = True) -> torch.nn.Module:

@@ -217,8 +217,8 @@ def lora_params_per_rank(arch: ArchSpec, rank: int, targets: tuple[str, ...], tp
 def forward_flops(arch: ArchSpec, tokens: dict[str, int], tp: int = 1) -> dict[str, float]:
     """FLOPs of one forward of one sample on one TP rank: ``linear`` (matmuls) and ``attention`` (QK^T and PV).
 
-    A multiply-add is 2 FLOPs. TP splits the sharded linears and the attention heads; replicated linears
-    (embeddings, adaLN modulation, output projection) run in full on every TP rank.
+    A multiply-add is 2 FLOPs. TP splits the sharded linears (adaLN modulation included) and the attention heads;
+    replicated linears (embeddings, output projection) run in full on every TP rank.
     """
     def matmuls(linears: tuple[LinearSpec, ...]) -> float:
         return sum(2.0 * lin.in_features * lin.out_features * tokens[lin.stream] / (1 if lin.tp == "replicated"
@@ -256,11 +256,13 @@ def flux_spec(config: dict, name: str = "flux") -> ArchSpec:
             _lin("time_text_embed.timestep_embedder.linear_2", d, d, "sample"),
             _lin("time_text_embed.text_embedder.linear_1", int(c["pooled_projection_dim"]), d, "sample"),
             _lin("time_text_embed.text_embedder.linear_2", d, d, "sample"),
-            _lin("norm_out.linear", d, 2 * d, "sample"), _lin("proj_out", d, p * p * out_ch, "image")]
+            _lin("norm_out.linear", d, 2 * d, "sample", "column"), _lin("proj_out", d, p * p * out_ch, "image")]
     if c["guidance_embeds"]:
         root += [_lin("time_text_embed.guidance_embedder.linear_1", 256, d, "sample"),
                  _lin("time_text_embed.guidance_embedder.linear_2", d, d, "sample")]
-    double = [_lin("norm1.linear", d, 6 * d, "sample"), _lin("norm1_context.linear", d, 6 * d, "sample")]
+    # adaLN modulation: column-parallel, its output all-gathered (the gather is (batch, chunks * d), negligible).
+    double = [_lin("norm1.linear", d, 6 * d, "sample", "column"),
+              _lin("norm1_context.linear", d, 6 * d, "sample", "column")]
     for proj in ("to_q", "to_k", "to_v"):
         double.append(_lin(f"attn.{proj}", d, d, "image", "column"))
     for proj in ("add_q_proj", "add_k_proj", "add_v_proj"):
@@ -269,7 +271,7 @@ def flux_spec(config: dict, name: str = "flux") -> ArchSpec:
                _lin("ff.net.0.proj", d, mlp, "image", "column"), _lin("ff.net.2", mlp, d, "image", "row"),
                _lin("ff_context.net.0.proj", d, mlp, "text", "column"),
                _lin("ff_context.net.2", mlp, d, "text", "row")]
-    single = [_lin("norm.linear", d, 3 * d, "sample")]
+    single = [_lin("norm.linear", d, 3 * d, "sample", "column")]
     single += [_lin(f"attn.{proj}", d, d, "joint", "column") for proj in ("to_q", "to_k", "to_v")]
     single += [_lin("proj_mlp", d, mlp, "joint", "column"), _lin("proj_out", d + mlp, d, "joint", "row")]
     blocks = (
@@ -303,7 +305,7 @@ def wan_spec(config: dict, name: str = "wan") -> ArchSpec:
     root = (_lin("patch_embedding", in_ch * volume, d, "image"),
             _lin("condition_embedder.time_embedder.linear_1", int(c["freq_dim"]), d, "sample"),
             _lin("condition_embedder.time_embedder.linear_2", d, d, "sample"),
-            _lin("condition_embedder.time_proj", d, 6 * d, "sample"),
+            _lin("condition_embedder.time_proj", d, 6 * d, "sample", "column"),
             _lin("condition_embedder.text_embedder.linear_1", int(c["text_dim"]), d, "text", "column"),
             _lin("condition_embedder.text_embedder.linear_2", d, d, "text", "row"),
             _lin("proj_out", d, out_ch * volume, "image"))

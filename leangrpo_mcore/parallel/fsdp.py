@@ -19,7 +19,7 @@ import torch
 from leangrpo_mcore.parallel.mesh import ParallelContext
 from leangrpo_mcore.parallel.precision import mixed_precision_policy
 
-_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride", "partition_segments")
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
 def _tp_attributes(model: torch.nn.Module) -> dict[str, dict]:

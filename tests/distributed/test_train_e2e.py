@@ -139,11 +139,11 @@ def _resume_here(src: Path, dst: Path, capsys, *overrides: str) -> tuple[list[di
     return rows, capsys.readouterr().err
 
 
-def _close_weights(a: Path, b: Path, rtol: float) -> None:
+def _close_weights(a: Path, b: Path, rtol: float, atol: float = 1e-6) -> None:
     mine, ref = model_tensors(a), model_tensors(b)
     assert mine.keys() == ref.keys()
     for name in ref:
-        assert torch.allclose(mine[name], ref[name], rtol=rtol, atol=1e-6), name
+        assert torch.allclose(mine[name], ref[name], rtol=rtol, atol=atol), name
 
 
 def test_fsdp_world2_checkpoint_resumes_at_world1(flux_world1, flux_world2, tmp_path, capsys):
@@ -246,7 +246,10 @@ def test_tp2_lora_checkpoint_resumes_at_tp1(world2_runs, tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for mine, ref in zip(rows, reference):
         assert mine["reward_mean"] == pytest.approx(ref["reward_mean"], rel=1e-4)
+    # The adapters' gradients are ~1e-7 here (B starts at zero) and AdamW normalises them, turning TP=2's rounding
+    # of them into weight differences of a few 1e-6 over the 3 steps (lr 1e-3 moves a weight by up to 3e-3); a
+    # resharding error would move them by the size of a step.
     _close_weights(tmp_path / "run" / "checkpoints" / "step_3", tmp_path / "ref" / "checkpoints" / "step_3",
-                   rtol=1e-4)
+                   rtol=1e-4, atol=1e-5)
     ema = stored_tensors(tmp_path / "run" / "checkpoints" / "step_3", "ema/")
     assert all("lora_" in name for name in ema) and ema

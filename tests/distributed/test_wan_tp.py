@@ -48,7 +48,8 @@ def _tp2_rank(rank: int, world_size: int, tp1_dir: str, tp2_dir: str):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     try:
         model = _build(SEED)
-        local_q = model.layers[0].attn1.to_q.weight.shape[0]
+        local_q = (model.layers[0].attn1.to_qkv.weight.shape[0], model.layers[0].attn2.to_kv.weight.shape[0],
+                   model.condition_embedder.time_proj.weight.shape[0])
         out, grads = _forward_backward(model)
         save_policy(model, tp2_dir)
         latents, timestep, text = _inputs()[:3]
@@ -73,7 +74,7 @@ def test_tp2_equals_tp1_forward_gradients_and_checkpoints(tmp_path):
     for out, grads, local_q, loaded_out in results:
         out, loaded_out = torch.from_numpy(out), torch.from_numpy(loaded_out)
         grads = {name: torch.from_numpy(g) for name, g in grads.items()}
-        assert local_q == 12  # 24 output features split over 2 ranks
+        assert local_q == (36, 24, 72)  # fused q/k/v, fused k/v and the adaLN projection, split over 2 ranks
         assert _rel(out, ref_out) <= 1e-5
         assert _rel(loaded_out, ref_out) <= 1e-5  # saved at TP=1, loaded at TP=2
         assert sorted(grads) == sorted(ref_grads)

@@ -14,7 +14,7 @@ from leangrpo_mcore.models.common.fp8 import FP8Contexts, fp8_config
 from leangrpo_mcore.models.common.init import init_parameters
 from leangrpo_mcore.models.common.norms import RMSNorm, TPRMSNorm
 from leangrpo_mcore.models.common.rope import apply_rotary, multi_axis_rope_cos_sin
-from leangrpo_mcore.models.common.tp import full_shape, mark_tp_partitioned, shard_ranges, shard_tensor
+from leangrpo_mcore.models.common.tp import full_shape, mark_tp_partitioned, shard_range, shard_tensor
 
 CONFIG = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, use_cpu_initialization=True,
                            gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
@@ -90,13 +90,13 @@ def test_norms_and_rope_match_references():
     assert torch.allclose(apply_rotary(heads, cos, sin).norm(dim=-1), heads.norm(dim=-1), atol=1e-5)
 
 
-def test_segmented_partition_slices_each_piece():
+def test_partition_is_one_contiguous_slice_per_rank():
     param = torch.nn.Parameter(torch.empty(4, 5))  # a rank's shard of a (4, 10) weight at TP=2
-    mark_tp_partitioned(param, 1, segments=(4, 6))
+    mark_tp_partitioned(param, 1)
     full = torch.arange(40.0).view(4, 10)
     assert full_shape(param, world_size=2) == (4, 10)
-    assert torch.equal(shard_tensor(full, param, rank=1, world_size=2), torch.cat([full[:, 2:4], full[:, 7:10]], 1))
-    assert shard_ranges(param, 10, rank=0, world_size=2) == [(0, 2), (4, 7)]
+    assert torch.equal(shard_tensor(full, param, rank=1, world_size=2), full[:, 5:])
+    assert shard_range(param, 10, rank=1, world_size=2) == (5, 10)
     source = ckpt.MemorySource({"w": full})
     assert torch.equal(source.get_shard("w", param), full)  # TP=1 here: the whole tensor
 

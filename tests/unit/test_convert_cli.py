@@ -38,7 +38,7 @@ def test_round_trip_is_bit_exact(tmp_path, capsys, sharded):
     assert _run(capsys, "diffusers-to-mcore", "--model", "flux", "--src", str(tmp_path / "src"),
                 "--dst", str(tmp_path / "ours"))[0] == 0
     meta = json.loads((tmp_path / "ours" / "leangrpo_model.json").read_text())
-    assert meta["format"] == "leangrpo_mcore.policy" and meta["version"] == 1 and meta["family"] == "flux"
+    assert meta["format"] == "leangrpo_mcore.policy" and meta["version"] == 2 and meta["family"] == "flux"
     assert meta["lora"] is None and meta["config"]["num_single_layers"] == 1
     assert _run(capsys, "mcore-to-diffusers", "--src", str(tmp_path / "ours"), "--dst", str(tmp_path / "back"))[0] == 0
     original = FluxTransformer2DModel.from_pretrained(str(tmp_path / "src")).state_dict()

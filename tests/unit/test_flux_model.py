@@ -86,7 +86,7 @@ def test_build_policy_is_seeded_and_sizes_are_reported():
     a = build_policy("flux-tiny", seed=1)
     b = build_policy("flux-tiny", seed=1)
     c = build_policy("flux-tiny", seed=2)
-    weights = [m.transformer_blocks[0].attn.to_q.weight for m in (a, b, c)]
+    weights = [m.transformer_blocks[0].attn.to_qkv.weight for m in (a, b, c)]
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
     assert a.hidden_size == 32 and a.num_layers == 2 and len(a.blocks()) == 2
     assert a.tokens_for(512, 256) == 32 * 16

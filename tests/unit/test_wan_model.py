@@ -129,7 +129,7 @@ def test_seeded_init_and_activation_checkpointing():
     assert ckpt.config.activation_checkpointing and not base.config.activation_checkpointing
     params = dict(base.named_parameters())
     assert all(torch.equal(p, params[n]) for n, p in again.named_parameters())
-    assert not torch.equal(other.layers[0].attn1.to_q.weight, base.layers[0].attn1.to_q.weight)
+    assert not torch.equal(other.layers[0].attn1.to_qkv.weight, base.layers[0].attn1.to_qkv.weight)
     latents, timestep, text = _inputs(3, 5, seed=1)
     grads, saved = [], []
     for model in (base, ckpt):

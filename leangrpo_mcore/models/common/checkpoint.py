@@ -2,7 +2,7 @@
 
 Our format is a directory holding
 
-- ``leangrpo_model.json``: ``{"format": "leangrpo_mcore.policy", "version": 1, "family": ...,
+- ``leangrpo_model.json``: ``{"format": "leangrpo_mcore.policy", "version": 2, "family": ...,
   "config": <diffusers-style hyper-parameters>, "lora": null | {"rank", "alpha", "targets"}}``;
 - ``model.safetensors``: the FULL (TP-gathered) tensors under our parameter names, or, in a training
   checkpoint, ``dcp/``: the sharded ``torch.distributed.checkpoint`` files holding them under ``model/<name>``
@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.models.common.tp import full_shape, gather_tensor, is_tp_partitioned, shard_ranges, shard_tensor
+from leangrpo_mcore.models.common.tp import full_shape, gather_tensor, is_tp_partitioned, shard_range, shard_tensor
 
 FORMAT_NAME = "leangrpo_mcore.policy"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: fused q/k/v and FLUX's single-block ``proj_out`` are stored in their per-head layouts (``docs/models.md``)."""
 META_FILE = "leangrpo_model.json"
 WEIGHTS_FILE = "model.safetensors"
 DCP_DIR = "dcp"
@@ -148,14 +149,12 @@ class TensorSource:
             return self.get(key)
         view, dim = self._slice(key), like.partition_dim
         shape = view.get_shape()
-        pieces = []
-        for start, stop in shard_ranges(like, shape[dim]):
-            index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
-            try:
-                pieces.append(view[index])
-            except Exception as exc:  # noqa: BLE001
-                raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+        start, stop = shard_range(like, shape[dim])
+        index = tuple(slice(start, stop) if d == dim else slice(None) for d in range(len(shape)))
+        try:
+            return view[index]
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"cannot read {key!r} ({_one_line(exc)})") from None
 
 
 class MemorySource(TensorSource):

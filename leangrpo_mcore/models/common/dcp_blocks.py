@@ -2,9 +2,8 @@
 ``torch.distributed.checkpoint`` (DCP).
 
 A parameter here is sharded twice: megatron tensor parallelism slices the FULL tensor along ``partition_dim``
-(for parameters with ``partition_segments``, each segment separately), then FSDP2 shards dimension 0 of that
-TP slice as a DTensor over the data-parallel mesh. The piece a rank holds is therefore one box of the TP slice,
-which maps to one or more boxes of the FULL tensor (more than one when the FSDP2 rows straddle a TP segment).
+into contiguous slices, then FSDP2 shards dimension 0 of that TP slice as a DTensor over the data-parallel mesh.
+The piece a rank holds is therefore one box of the TP slice, which is one box of the FULL tensor.
 
 :class:`BlockTensor` presents those boxes to DCP through the protocol DTensor itself uses
 (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``): each box is a chunk of the
@@ -28,7 +27,6 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from leangrpo_mcore.models.common.tp import divide
 
 
 @dataclass(frozen=True)
@@ -71,16 +69,11 @@ class BlockTensor:
         raise ValueError(f"no block of {index.fqn} at offset {tuple(index.offset or ())}")
 
 
-def _segments(stub: torch.Tensor, full: int) -> tuple[int, ...]:
-    return tuple(getattr(stub, "partition_segments", None) or (full,))
-
-
 def tp_boxes(local_shape: tuple[int, ...], local_offsets: tuple[int, ...], data: torch.Tensor, stub: torch.Tensor,
              tp_rank: int, tp_size: int) -> tuple[tuple[int, ...], list[Block]]:
-    """The FULL shape and the boxes of ``data``, a box at ``local_offsets`` of a TP slice of ``local_shape``.
+    """The FULL shape and the box of ``data``, a box at ``local_offsets`` of a TP slice of ``local_shape``.
 
-    ``stub`` carries the megatron TP attributes of the parameter (``tensor_model_parallel``, ``partition_dim``,
-    ``partition_segments``).
+    ``stub`` carries the megatron TP attributes of the parameter (``tensor_model_parallel``, ``partition_dim``).
     """
     local_shape = tuple(local_shape)
     if not getattr(stub, "tensor_model_parallel", False) or tp_size == 1:
@@ -88,21 +81,9 @@ def tp_boxes(local_shape: tuple[int, ...], local_offsets: tuple[int, ...], data:
     dim = stub.partition_dim
     full_shape = list(local_shape)
     full_shape[dim] *= tp_size
-    start, stop = local_offsets[dim], local_offsets[dim] + data.shape[dim]
-    blocks, local_base, full_base = [], 0, 0
-    for segment in _segments(stub, full_shape[dim]):
-        width = divide(segment, tp_size)
-        lo, hi = max(start, local_base), min(stop, local_base + width)
-        if lo < hi:
-            offsets = list(local_offsets)
-            offsets[dim] = full_base + tp_rank * width + (lo - local_base)
-            blocks.append(Block(tuple(offsets), data.narrow(dim, lo - start, hi - lo)))
-        local_base += width
-        full_base += segment
-    if local_base != local_shape[dim]:
-        raise ValueError(f"partition segments {_segments(stub, full_shape[dim])} do not add up to the local "
-                         f"size {local_shape[dim]} x {tp_size}")
-    return tuple(full_shape), blocks
+    offsets = list(local_offsets)
+    offsets[dim] += tp_rank * local_shape[dim]
+    return tuple(full_shape), [Block(tuple(offsets), data)]
 
 
 def block_tensor(tensor: torch.Tensor, stub: torch.Tensor, tp_rank: int, tp_size: int) -> BlockTensor:

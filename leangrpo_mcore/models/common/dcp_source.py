@@ -14,7 +14,7 @@ import torch
 
 from leangrpo_mcore.models.common.checkpoint import CheckpointError, TensorSource, _one_line
 from leangrpo_mcore.models.common.dcp_blocks import Block, BlockLoadPlanner, BlockTensor, quiet_dcp
-from leangrpo_mcore.models.common.tp import is_tp_partitioned, shard_ranges
+from leangrpo_mcore.models.common.tp import is_tp_partitioned, shard_range
 
 METADATA_FILE = ".metadata"
 
@@ -94,12 +94,10 @@ class DCPSource(TensorSource):
         if not is_tp_partitioned(like):
             return self.get(key)
         shape, dim = list(self.shape(key)), like.partition_dim
-        blocks = []
-        for start, stop in shard_ranges(like, shape[dim]):
-            piece = list(shape)
-            piece[dim] = stop - start
-            offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
-            blocks.append(Block(offsets, torch.empty(piece, dtype=self.dtype(key))))
-        dcp_load(self.folder, {self.prefix + key: BlockTensor(tuple(shape), blocks, self.dtype(key))})
-        parts = [b.data for b in blocks]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        start, stop = shard_range(like, shape[dim])
+        piece = list(shape)
+        piece[dim] = stop - start
+        offsets = tuple(start if d == dim else 0 for d in range(len(shape)))
+        out = torch.empty(piece, dtype=self.dtype(key))
+        dcp_load(self.folder, {self.prefix + key: BlockTensor(tuple(shape), [Block(offsets, out)], self.dtype(key))})
+        return out

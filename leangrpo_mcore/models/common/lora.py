@@ -12,6 +12,11 @@ PEFT's: ``transformer_blocks.0.attn.to_q.lora_A.weight``. The output is ``base(x
   over TP (the result is then replicated), B replicated;
 - replicated base: both replicated.
 
+A fused projection (one GEMM for q, k and v, output interleaved per head: see ``docs/models.md``) keeps one
+adapter per projection, as PEFT has on diffusers' separate linears: each projection is a :class:`LoRASlot`
+registered under diffusers' name (``attn.to_q``), with its own ``lora_A`` / ``lora_B`` and no base weight. The
+fused linear adds every slot's term at that slot's rows. A target naming the fused linear adapts all its slots.
+
 B starts at zero, so an adapted model equals its base at initialisation.
 """
 
@@ -64,16 +69,72 @@ class AdapterHostMixin:
     lora_enabled: bool = True
     lora_merged: bool = False
     lora_scaling: float = 1.0
+    lora_slots: tuple = ()
+    """The :class:`LoRASlot` of each projection when this linear fuses several (see :func:`fuse_slots`)."""
 
     def has_lora(self) -> bool:
         """Whether adapters are attached to this linear."""
         return "lora_A" in self._modules
 
+    def _adapter_active(self) -> bool:
+        return self.has_lora() and self.lora_enabled and not self.lora_merged
+
     def add_adapter_output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` plus the adapter's contribution when attached, enabled and not merged."""
-        if not self.has_lora() or not self.lora_enabled or self.lora_merged:
+        """``out`` plus the adapters' contribution when attached, enabled and not merged."""
+        if self.lora_slots:
+            return _add_slot_outputs(self.lora_slots, x, out)
+        if not self._adapter_active():
             return out
         return out + lora_delta(self, x).to(out.dtype)
+
+
+class LoRASlot(torch.nn.Module, AdapterHostMixin):
+    """The LoRA host of one projection inside a fused linear: adapters only, the base weight is the fused one's.
+
+    Output features of the fused linear are ordered (head, projection, unit): this slot's rows are
+    ``[h, index, :]`` for every head ``h``, and its adapter's B is sharded over TP like any column-parallel B.
+    """
+
+    def __init__(self, fused: torch.nn.Module, index: int, parts: int, unit: int) -> None:
+        super().__init__()
+        # A plain attribute, not a child module: the fused linear is registered once, under its own name.
+        object.__setattr__(self, "fused", fused)
+        self.index, self.parts, self.unit = index, parts, unit
+        self.parallel_mode = fused.parallel_mode
+        self.full_in_features = fused.full_in_features
+        self.full_out_features = divide(fused.full_out_features, parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Slots are evaluated by their fused linear."""
+        raise RuntimeError("a LoRA slot has no forward of its own; call the fused linear")
+
+    def weight_rows(self) -> torch.Tensor:
+        """This projection's rows of the local fused weight, as a (heads_local, unit, in) view."""
+        weight = self.fused.weight
+        return weight.view(-1, self.parts, self.unit, weight.shape[-1])[:, self.index]
+
+
+def fuse_slots(fused: torch.nn.Module, unit: int, count: int) -> list[LoRASlot]:
+    """Declare ``fused`` (output (heads, count, unit) per head) as ``count`` projections; returns their slots.
+
+    The caller registers each slot under the name of the projection it stands for.
+    """
+    slots = [LoRASlot(fused, i, count, unit) for i in range(count)]
+    fused.lora_slots = tuple(slots)
+    return slots
+
+
+def _add_slot_outputs(slots: tuple, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    active = [slot._adapter_active() for slot in slots]
+    if not any(active):
+        return out
+    parts, unit = len(slots), slots[0].unit
+    heads = out.shape[-1] // (parts * unit)
+    deltas = [lora_delta(slot, x).unflatten(-1, (heads, unit)) if on else None for slot, on in zip(slots, active)]
+    like = next(d for d in deltas if d is not None)
+    zeros = like.new_zeros(()).expand_as(like)
+    stacked = torch.stack([zeros if d is None else d for d in deltas], dim=-2)  # (..., heads, parts, unit)
+    return out + stacked.flatten(-3).to(out.dtype)
 
 
 def lora_delta(host: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +162,7 @@ def _matches(name: str, target: str) -> bool:
 
 
 def _attach(host: torch.nn.Module, rank: int, alpha: float) -> None:
-    weight = host.weight
+    weight = host.fused.weight if isinstance(host, LoRASlot) else host.weight
     full_in, full_out = host.full_in_features, host.full_out_features
     tp = tp_world_size()
     if host.parallel_mode == "row":
@@ -112,18 +173,20 @@ def _attach(host: torch.nn.Module, rank: int, alpha: float) -> None:
         a_cols, b_rows = full_in, full_out
     host.lora_A = LoRAFactor(rank, a_cols, weight.dtype, weight.device)
     host.lora_B = LoRAFactor(b_rows, rank, weight.dtype, weight.device)
-    # The adapter's sharded side follows the base weight's partition, segments included (FLUX's
-    # single-block proj_out consumes cat(attention, mlp), each sharded on its own).
-    segments = getattr(weight, "partition_segments", None)
     if host.parallel_mode == "row":
-        mark_tp_partitioned(host.lora_A.weight, 1, segments=segments)
+        mark_tp_partitioned(host.lora_A.weight, 1)
     elif host.parallel_mode == "column":
-        mark_tp_partitioned(host.lora_B.weight, 0, segments=segments)
+        mark_tp_partitioned(host.lora_B.weight, 0)
     set_init(host.lora_A.weight, uniform_fan_in(full_in))
     set_init(host.lora_B.weight, constant_init(0.0))
     host.lora_scaling = float(alpha) / float(rank)
     host.lora_enabled = True
     host.lora_merged = False
+
+
+def _slot_names(modules: dict[str, torch.nn.Module], fused: torch.nn.Module) -> dict[str, LoRASlot]:
+    return {name: module for name, module in modules.items()
+            if isinstance(module, LoRASlot) and module.fused is fused}
 
 
 @torch.no_grad()
@@ -148,8 +211,10 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int = 0) -> 
         for hit in hits:
             root = modules[hit]
             for sub_name, sub in root.named_modules(prefix=hit):
-                if isinstance(sub, AdapterHostMixin):
+                if isinstance(sub, AdapterHostMixin) and not sub.lora_slots:
                     selected[sub_name] = sub
+                elif getattr(sub, "lora_slots", ()):  # a fused linear: adapt each of its projections
+                    selected.update(_slot_names(modules, sub))
     for name in sorted(selected):
         host = selected[name]
         _attach(host, config.rank, config.alpha)
@@ -185,13 +250,19 @@ def _delta_weight(host: torch.nn.Module) -> torch.Tensor:
     return (host.lora_B.weight.float() @ host.lora_A.weight.float()) * host.lora_scaling
 
 
+def _fold(host: torch.nn.Module, sign: float) -> None:
+    weight = host.weight_rows() if isinstance(host, LoRASlot) else host.weight
+    delta = _delta_weight(host).view(weight.shape)
+    weight.copy_((weight.float() + sign * delta).to(weight.dtype))
+
+
 @torch.no_grad()
 def merge_lora(model: torch.nn.Module) -> int:
     """Fold ``s * B A`` into each base weight (fp32 math); return how many linears were merged."""
     count = 0
     for _, host in iter_lora_hosts(model):
         if not host.lora_merged:
-            host.weight.copy_((host.weight.float() + _delta_weight(host)).to(host.weight.dtype))
+            _fold(host, 1.0)
             host.lora_merged = True
             count += 1
     return count
@@ -203,7 +274,7 @@ def unmerge_lora(model: torch.nn.Module) -> int:
     count = 0
     for _, host in iter_lora_hosts(model):
         if host.lora_merged:
-            host.weight.copy_((host.weight.float() - _delta_weight(host)).to(host.weight.dtype))
+            _fold(host, -1.0)
             host.lora_merged = False
             count += 1
     return count

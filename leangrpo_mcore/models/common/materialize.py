@@ -72,7 +72,10 @@ def assembled_boxes(source: TensorSource, plan: Mapping[str, Assembly]) -> BoxRe
         for piece, lo, hi in assembly.pieces_along(offsets[dim], offsets[dim] + sizes[dim]):
             box_offsets = tuple(lo if d == dim else o for d, o in enumerate(offsets))
             box_sizes = tuple(hi - lo if d == dim else s for d, s in enumerate(sizes))
-            if tuple(piece.shape) == tuple(piece.stored_shape):
+            if piece.start is not None:  # a slice along dim: shift the box into the stored tensor
+                shifted = tuple(o + piece.start if d == dim else o for d, o in enumerate(box_offsets))
+                parts.append(source.get_box(piece.key, shifted, box_sizes))
+            elif tuple(piece.shape) == tuple(piece.stored_shape):
                 parts.append(source.get_box(piece.key, box_offsets, box_sizes))
             else:  # a reshaped piece keeps its first dimension: read whole rows, then cut the columns
                 rows = source.get_box(piece.key, (box_offsets[0],) + (0,) * (len(piece.stored_shape) - 1),

@@ -56,15 +56,21 @@ class TPRMSNorm(torch.nn.Module):
         else:
             self.register_parameter("weight", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the local shard ``x`` (..., dim / tp) with the full-width statistic."""
-        if x.shape[-1] != self.local_dim:
-            raise ValueError(f"TPRMSNorm expects {self.local_dim} local channels, got {x.shape[-1]}")
+    def forward(self, x: torch.Tensor, *, heads: bool = False) -> torch.Tensor:
+        """Normalise the local shard ``x`` (..., dim / tp) with the full-width statistic.
+
+        ``heads=True``: ``x`` is (..., heads_local, head_dim), e.g. a strided view of a fused q/k/v output; the
+        statistic spans both dimensions and the result keeps that shape (no copy to a flat layout first).
+        """
+        channels = x.shape[-2] * x.shape[-1] if heads else x.shape[-1]
+        if channels != self.local_dim:
+            raise ValueError(f"TPRMSNorm expects {self.local_dim} local channels, got {channels}")
+        dims = (-2, -1) if heads else (-1,)
         xf = x.float()
-        sum_sq = all_reduce_tp(xf.pow(2).sum(dim=-1, keepdim=True), backward_all_reduce=True)
+        sum_sq = all_reduce_tp(xf.pow(2).sum(dim=dims, keepdim=True), backward_all_reduce=True)
         out = xf * torch.rsqrt(sum_sq / self.dim + self.eps)
         if self.weight is not None:
-            out = out * self.weight.float()
+            out = out * self.weight.float().view(x.shape[-2:] if heads else (-1,))
         return out.to(x.dtype)
 
 

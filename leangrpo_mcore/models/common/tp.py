@@ -5,15 +5,15 @@ initialised (a plain single process, no ``torch.distributed``), everything behav
 ``tp_world_size() == 1``, ``tp_rank() == 0``, ``tp_group() is None`` and the collectives are identities.
 
 Partitioned parameters carry megatron's attributes ``tensor_model_parallel``, ``partition_dim`` and
-``partition_stride`` (always 1 here). A parameter whose partitioned dimension is the concatenation of
-independently sharded pieces (FLUX's single-block ``proj_out`` consumes ``cat(attention, mlp)``, both
-column-sharded) also carries ``partition_segments``: the FULL sizes of those pieces. Its local shard is the
-concatenation of each piece's rank slice, and :func:`shard_tensor` / :func:`gather_tensor` honour that.
+``partition_stride`` (always 1 here): rank ``r`` of ``n`` holds the ``r``-th of ``n`` contiguous slices of the
+FULL tensor along ``partition_dim``. Layers whose natural FULL layout would not split that way (fused q/k/v,
+FLUX's single-block ``proj_out``) store their FULL tensors interleaved per head instead, so that it does (see
+``docs/models.md``).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -58,26 +58,16 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-def mark_tp_partitioned(param: torch.Tensor, dim: int, segments: Optional[Sequence[int]] = None) -> None:
-    """Mark ``param`` as sharded over TP along ``dim`` (megatron attributes; stride 1).
-
-    ``segments`` lists the FULL sizes of independently sharded pieces that make up dimension ``dim``
-    (their sum is the full size); omit it for a plain contiguous split.
-    """
+def mark_tp_partitioned(param: torch.Tensor, dim: int) -> None:
+    """Mark ``param`` as sharded over TP along ``dim`` in contiguous slices (megatron attributes; stride 1)."""
     param.tensor_model_parallel = True
     param.partition_dim = dim
     param.partition_stride = 1
-    if segments is not None:
-        param.partition_segments = tuple(int(s) for s in segments)
 
 
 def is_tp_partitioned(param: torch.Tensor) -> bool:
     """Whether ``param`` carries megatron's ``tensor_model_parallel=True`` attribute."""
     return bool(getattr(param, "tensor_model_parallel", False))
-
-
-def _segments(param: torch.Tensor, full_size: int) -> tuple[int, ...]:
-    return tuple(getattr(param, "partition_segments", None) or (full_size,))
 
 
 def full_shape(param: torch.Tensor, world_size: Optional[int] = None) -> torch.Size:
@@ -98,27 +88,19 @@ def shard_tensor(full: torch.Tensor, like: torch.Tensor, rank: Optional[int] = N
     rank = tp_rank() if rank is None else rank
     world = tp_world_size() if world_size is None else world_size
     dim = like.partition_dim
-    pieces = []
-    for segment in torch.split(full, list(_segments(like, full.shape[dim])), dim=dim):
-        pieces.append(segment.narrow(dim, rank * divide(segment.shape[dim], world), segment.shape[dim] // world))
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    size = divide(full.shape[dim], world)
+    return full.narrow(dim, rank * size, size)
 
 
-def shard_ranges(like: torch.Tensor, full_size: int, rank: Optional[int] = None,
-                 world_size: Optional[int] = None) -> list[tuple[int, int]]:
-    """(start, stop) ranges of the full partition dimension that make up this rank's shard, in order."""
+def shard_range(like: torch.Tensor, full_size: int, rank: Optional[int] = None,
+                world_size: Optional[int] = None) -> tuple[int, int]:
+    """(start, stop) of this rank's slice of the full partition dimension of ``like``."""
+    if not is_tp_partitioned(like):
+        return 0, full_size
     rank = tp_rank() if rank is None else rank
     world = tp_world_size() if world_size is None else world_size
-    if not is_tp_partitioned(like):
-        return [(0, full_size)]
-    ranges, offset = [], 0
-    for size in _segments(like, full_size):
-        local = divide(size, world)
-        ranges.append((offset + rank * local, offset + (rank + 1) * local))
-        offset += size
-    if offset != full_size:
-        raise ValueError(f"partition segments sum to {offset}, but the full dimension is {full_size}")
-    return ranges
+    size = divide(full_size, world)
+    return rank * size, (rank + 1) * size
 
 
 def gather_tensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -126,15 +108,9 @@ def gather_tensor(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     world = tp_world_size()
     if not is_tp_partitioned(like) or world == 1:
         return local.detach()
-    dim = like.partition_dim
     chunks = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(chunks, local.detach().contiguous(), group=tp_group())
-    full_size = local.shape[dim] * world
-    local_sizes = [divide(s, world) for s in _segments(like, full_size)]
-    per_rank = [torch.split(chunk, local_sizes, dim=dim) for chunk in chunks]
-    # Piece i of the full tensor is the concatenation over ranks of each rank's i-th local piece.
-    return torch.cat([torch.cat([parts[i] for parts in per_rank], dim=dim) for i in range(len(local_sizes))],
-                     dim=dim)
+    return torch.cat(chunks, dim=like.partition_dim)
 
 
 class _AllReduce(torch.autograd.Function):
@@ -196,3 +172,31 @@ def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return x
     return _CopyToTP.apply(x, group)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dimension in forward; this rank's slice of the gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        chunks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(chunks, x.contiguous(), group=group)
+        return torch.cat(chunks, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size = grad.shape[-1] // dist.get_world_size(ctx.group)
+        return grad.narrow(-1, dist.get_rank(ctx.group) * size, size).contiguous(), None
+
+
+def gather_from_tp(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension (rank order); identity at TP=1.
+
+    megatron's gather-from-TP-region (``ColumnParallelLinear(gather_output=True)``): the result must be
+    consumed *replicated*, so its gradient is the same on every rank and each rank keeps its own slice.
+    """
+    group = tp_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return x
+    return _GatherLastDim.apply(x, group)

@@ -1,8 +1,10 @@
 """diffusers' ``WanTransformer3DModel`` <-> :class:`WanModel`, described once as an assembly plan.
 
-Nothing changes a value: names are renamed and the 3-D patch embedding's convolution kernel (D, C, pt, ph, pw)
+Nothing changes a value: names are renamed, the 3-D patch embedding's convolution kernel (D, C, pt, ph, pw)
 is viewed as the equivalent linear weight (D, C*pt*ph*pw) (a stride-equals-kernel convolution is a linear map on
-flattened patches), so a round trip is bit-exact. Both directions on FULL tensors and the sharded checkpoint
+flattened patches), and the fused projections interleave diffusers' separate ones per head (self-attention
+``to_qkv`` from ``to_q`` / ``to_k`` / ``to_v``, cross-attention ``to_kv`` from ``to_k`` / ``to_v``; see
+``layers``), so a round trip is bit-exact. Both directions on FULL tensors and the sharded checkpoint
 readers derive from :func:`diffusers_plan`; inputs are checked against the shapes the config implies, so a wrong
 model or a corrupt file gives one line.
 """
@@ -14,7 +16,7 @@ import re
 
 import torch
 
-from leangrpo_mcore.models.common.assembly import Assembly, Piece, assemble, disassemble
+from leangrpo_mcore.models.common.assembly import Assembly, Piece, Source, assemble, disassemble, interleave
 from leangrpo_mcore.models.wan.config import WanConfig
 
 # (diffusers pattern, our pattern) and the inverse: blocks live in ``layers`` (so that ``WanModel.blocks()`` can
@@ -32,6 +34,8 @@ _TO_DIFFUSERS = (
     (r"^layers\.(\d+)\.", r"blocks.\1."),
 )
 _PATCH_WEIGHT = "patch_embedding.weight"
+# Our fused projection of each attention -> the diffusers projections it interleaves per head, in order.
+FUSED = {"attn1": ("to_qkv", ("to_q", "to_k", "to_v")), "attn2": ("to_kv", ("to_k", "to_v"))}
 
 
 def diffusers_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
@@ -93,10 +97,26 @@ def mcore_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
     return {name: assembly.full_shape for name, assembly in diffusers_plan(config).items()}
 
 
-def diffusers_plan(config: WanConfig) -> dict[str, Assembly]:
-    """How each of our parameters is made of diffusers' tensors (renames, the patch kernel viewed as a linear)."""
+def _fused_plan(config: WanConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Assembly]:
     plan = {}
-    for key, stored in diffusers_shapes(config).items():
+    for i in range(config.num_layers):
+        for attn, (fused, projections) in FUSED.items():
+            for kind in ("weight", "bias"):
+                keys = [f"blocks.{i}.{attn}.{proj}.{kind}" for proj in projections]
+                sources = [Source(key, shapes[key], 0, shapes[key][0]) for key in keys]
+                plan[f"layers.{i}.{attn}.{fused}.{kind}"] = interleave(sources, groups=config.num_attention_heads)
+    return plan
+
+
+def diffusers_plan(config: WanConfig) -> dict[str, Assembly]:
+    """How each of our parameters is made of diffusers' tensors (renames, the patch kernel viewed as a linear,
+    the fused projections interleaved per head)."""
+    shapes = diffusers_shapes(config)
+    plan = _fused_plan(config, shapes)
+    fused_keys = {piece.key for assembly in plan.values() for piece in assembly.pieces}
+    for key, stored in shapes.items():
+        if key in fused_keys:
+            continue
         shape = (stored[0], math.prod(stored[1:])) if key == _PATCH_WEIGHT else stored
         plan[diffusers_name_to_mcore(key)] = Assembly((Piece(key, stored, shape),))
     return plan

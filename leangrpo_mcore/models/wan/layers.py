@@ -3,8 +3,14 @@
 Tensor parallelism lives inside the layers: q/k/v, the FFN's first projection and the text embedder's first
 projection are column-parallel (heads / hidden units / features split over the TP group), their partners are
 row-parallel (output all-reduced), so the residual stream, the modulation vectors and every embedding stay
-replicated and identical on all TP ranks. Wan normalises q and k with one RMSNorm over ALL heads; under TP its
-statistic is all-reduced over the group (``TPRMSNorm``), which keeps TP=N equal to TP=1.
+replicated and identical on all TP ranks. The timestep modulation projection ``time_proj`` is column-parallel
+with its output all-gathered (megatron-core's DiT adaLN). Wan normalises q and k with one RMSNorm over ALL heads;
+under TP its statistic is all-reduced over the group (``TPRMSNorm``), which keeps TP=N equal to TP=1.
+
+Projections that read the same input are one GEMM whose output is interleaved per head (megatron-core's
+``linear_qkv`` layout): self-attention's ``to_qkv`` (head 0: q, k, v; head 1: ...) and cross-attention's
+``to_kv`` over the text (``to_q`` reads the video tokens and stays separate). diffusers' ``to_q`` / ``to_k`` /
+``to_v`` names remain as LoRA slots of the fused projections (adapters only).
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from leangrpo_mcore.models.backends import BackendProvider
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, attend
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
 from leangrpo_mcore.models.common.init import normal_init, set_init
+from leangrpo_mcore.models.common.lora import fuse_slots
 from leangrpo_mcore.models.common.norms import LayerNorm, TPRMSNorm
 from leangrpo_mcore.models.common.rope import apply_rotary, multi_axis_rope_cos_sin
-from leangrpo_mcore.models.common.tp import divide, tp_world_size
+from leangrpo_mcore.models.common.tp import divide, gather_from_tp, tp_world_size
 from leangrpo_mcore.models.wan.config import WanConfig
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -53,12 +60,13 @@ class WanTextEmbedder(nn.Module):
 
     def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
         super().__init__()
-        self.linear_1 = backend.column_parallel_linear(config.text_dim, config.hidden_size, config=config)
+        self.linear_1 = backend.column_parallel_linear(config.text_dim, config.hidden_size, config=config,
+                                                       activation="gelu_tanh")
         self.linear_2 = backend.row_parallel_linear(config.hidden_size, config.hidden_size, config=config)
 
     def forward(self, text: torch.Tensor) -> torch.Tensor:
-        """Project the text encoder's states to the model width."""
-        return self.linear_2(F.gelu(self.linear_1(text), approximate="tanh"))
+        """Project the text encoder's states to the model width (the GELU is applied by ``linear_1``)."""
+        return self.linear_2(self.linear_1(text))
 
 
 class WanConditionEmbedder(nn.Module):
@@ -70,7 +78,7 @@ class WanConditionEmbedder(nn.Module):
         self.time_embedder = MLPEmbedder(
             config.freq_dim, config.hidden_size, config.hidden_size, backend=backend, config=config, act="silu"
         )
-        self.time_proj = backend.replicated_linear(config.hidden_size, 6 * config.hidden_size, config=config)
+        self.time_proj = backend.column_parallel_linear(config.hidden_size, 6 * config.hidden_size, config=config)
         self.text_embedder = WanTextEmbedder(config, backend)
 
     def forward(
@@ -79,21 +87,28 @@ class WanConditionEmbedder(nn.Module):
         """``timestep`` (B,) or per-token (B, S) -> temb (B[, S], D), modulation (B[, S], 6, D), text (B, L, D)."""
         sinusoid = timestep_embedding(timestep.flatten(), self.freq_dim).to(self.time_embedder.linear_1.weight.dtype)
         temb = self.time_embedder(sinusoid).unflatten(0, timestep.shape).type_as(text)
-        modulation = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1))
+        modulation = gather_from_tp(self.time_proj(F.silu(temb))).unflatten(-1, (6, -1))
         return temb, modulation, self.text_embedder(text)
 
 
 class WanAttention(nn.Module):
-    """Multi-head attention with q/k RMSNorm over all heads; self-attention (with RoPE) or cross-attention."""
+    """Multi-head attention with q/k RMSNorm over all heads; self-attention (with RoPE, fused ``to_qkv``) or
+    cross-attention (``cross=True``: ``to_q`` on the video tokens, fused ``to_kv`` on the text)."""
 
-    def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
+    def __init__(self, config: WanConfig, backend: BackendProvider, *, cross: bool) -> None:
         super().__init__()
         dim = config.hidden_size
         self.heads_local = divide(config.num_attention_heads, tp_world_size())
         self.head_dim = config.attention_head_dim
-        self.to_q = backend.column_parallel_linear(dim, dim, config=config)
-        self.to_k = backend.column_parallel_linear(dim, dim, config=config)
-        self.to_v = backend.column_parallel_linear(dim, dim, config=config)
+        self.cross = cross
+        col = backend.column_parallel_linear
+        if cross:
+            self.to_q = col(dim, dim, config=config)
+            self.to_kv = col(dim, 2 * dim, config=config)
+            self.to_k, self.to_v = fuse_slots(self.to_kv, self.head_dim, 2)
+        else:
+            self.to_qkv = col(dim, 3 * dim, config=config)
+            self.to_q, self.to_k, self.to_v = fuse_slots(self.to_qkv, self.head_dim, 3)
         self.norm_q = TPRMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
         self.norm_k = TPRMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
         self.core_attention = backend.core_attention(config=config)
@@ -103,14 +118,21 @@ class WanAttention(nn.Module):
         self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rope: Optional[RopeTables] = None,
         shards: Optional[SequenceShards] = None,
     ) -> torch.Tensor:
-        """``x`` (B, S, D) attends to itself (``context`` None) or to ``context`` (B, L, D); returns (B, S, D).
+        """``x`` (B, S, D) attends to itself or (cross-attention) to ``context`` (B, L, D); returns (B, S, D).
 
         ``shards`` (context-parallel self-attention): ``x`` is this rank's piece of the video tokens.
         """
-        source = x if context is None else context
-        q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads_local, self.head_dim))
-        k = self.norm_k(self.to_k(source)).unflatten(-1, (self.heads_local, self.head_dim))
-        v = self.to_v(source).unflatten(-1, (self.heads_local, self.head_dim))
+        if self.cross != (context is not None):
+            raise ValueError("cross-attention needs the text context; self-attention takes none")
+        heads = (self.heads_local, self.head_dim)
+        # The fused outputs are (head, {q, k, v} or {k, v}, head_dim) per token: see the module doc. The norms
+        # read the strided per-head views as they are.
+        if self.cross:
+            q = self.to_q(x).unflatten(-1, heads)
+            k, v = self.to_kv(context).unflatten(-1, (self.heads_local, 2, self.head_dim)).unbind(-2)
+        else:
+            q, k, v = self.to_qkv(x).unflatten(-1, (self.heads_local, 3, self.head_dim)).unbind(-2)
+        q, k = self.norm_q(q, heads=True), self.norm_k(k, heads=True)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         return self.to_out(attend(self.core_attention, q, k, v, shards).type_as(q))
@@ -121,12 +143,13 @@ class WanFeedForward(nn.Module):
 
     def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
         super().__init__()
-        self.fc1 = backend.column_parallel_linear(config.hidden_size, config.ffn_hidden_size, config=config)
+        self.fc1 = backend.column_parallel_linear(config.hidden_size, config.ffn_hidden_size, config=config,
+                                                  activation="gelu_tanh")
         self.fc2 = backend.row_parallel_linear(config.ffn_hidden_size, config.hidden_size, config=config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> (..., D)."""
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        """(..., D) -> (..., D); the GELU is applied by ``fc1``."""
+        return self.fc2(self.fc1(x))
 
 
 def modulation_table(n: int, dim: int, dtype: torch.dtype) -> nn.Parameter:
@@ -151,8 +174,8 @@ class WanBlock(nn.Module):
     def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
         super().__init__()
         dim = config.hidden_size
-        self.attn1 = WanAttention(config, backend)
-        self.attn2 = WanAttention(config, backend)
+        self.attn1 = WanAttention(config, backend, cross=False)
+        self.attn2 = WanAttention(config, backend, cross=True)
         eps, dtype = config.layernorm_epsilon, config.params_dtype
         self.norm1 = LayerNorm(dim, eps)
         self.norm2 = nn.Identity()
