@@ -307,6 +307,11 @@ def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bo
         shape = sample_shape(work, layout)
     except UserError as err:
         return Estimate(schedule, layout, ac, None, feasible=False, note=str(err))
+    prec = work.precision
+    if prec.storage_bytes != prec.compute_bytes and layout.dp_shard * layout.dp_replicate == 1:
+        # the trainer refuses it too: only FSDP2 casts master weights to the compute dtype
+        return Estimate(schedule, layout, ac, shape, feasible=False,
+                        note="no data-parallel ranks: nothing casts the fp32 master weights to the compute dtype")
     phases = memory_phases(work, hw, layout, schedule, ac)
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     est = Estimate(schedule, layout, ac, shape, peak_mem_bytes=sum(phases[phase].values()), peak_phase=phase,

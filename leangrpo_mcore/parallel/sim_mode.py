@@ -81,7 +81,11 @@ def _real_mask_indices(args: tuple) -> tuple:
 
 
 class MemoryLedger:
-    """Live bytes of the counted storages, by label, and the state at the highest total."""
+    """Live bytes of the counted storages, by label, and the state at the highest total of each *region*.
+
+    A region is a stretch of the run named by the caller (a simulation names the rollout and the update apart):
+    each region keeps its own peak and who was live then, so a peak can be scaled region by region.
+    """
 
     def __init__(self) -> None:
         self._info = WeakIdKeyDictionary()  # storage -> [serial, nbytes, label]
@@ -90,12 +94,19 @@ class MemoryLedger:
         self._marks: dict[int, str] = {}
         self.label = "other"
         """Label given to storages allocated now."""
+        self.region = "other"
+        """Region whose peak the current level counts toward."""
         self.total = 0
         """Live bytes now."""
-        self.peak = 0
-        """Highest live total so far."""
-        self._peak_live: dict[int, tuple[int, str]] = {}
-        self._peak_stale = False
+        self.peaks: dict[str, int] = {}
+        """Highest live total per region."""
+        self._snapshots: dict[str, dict[int, tuple[int, str]]] = {}
+        self._stale: set[str] = set()
+
+    @property
+    def peak(self) -> int:
+        """Highest live total so far, over every region."""
+        return max(self.peaks.values(), default=self.total)
 
     def add(self, storage: torch.UntypedStorage) -> None:
         """Count ``storage`` from now until it dies (once)."""
@@ -114,7 +125,7 @@ class MemoryLedger:
         if entry is None:
             return
         change = storage.nbytes() - entry[1]
-        if change < 0 and self._peak_stale:
+        if change < 0:
             self._capture()
         entry[1] = storage.nbytes()
         self._grow(change)
@@ -125,31 +136,42 @@ class MemoryLedger:
         entry = [self._serial, nbytes, self.label]
         self._live[entry[0]] = entry
         self._grow(nbytes)
-        if self._peak_stale:
-            self._capture()
         self._remove(entry[0])
 
     def _remove(self, serial: int) -> None:
-        if serial in self._live and self._peak_stale:
-            self._capture()  # the state at the peak, before this storage goes
+        if serial in self._live:
+            self._capture()  # the state at a peak, before this storage goes
         entry = self._live.pop(serial, None)
         if entry is not None:
             self._grow(-entry[1])
 
     def _grow(self, change: int) -> None:
         self.total += change
-        if self.total > self.peak:
-            self.peak = self.total
-            self._peak_stale = True
+        if self.total > self.peaks.get(self.region, -1):
+            self.peaks[self.region] = self.total
+            self._stale.add(self.region)
 
     def _capture(self) -> None:
-        """Remember who was live at the peak (taken lazily: just before the first free after a new peak)."""
-        self._peak_live = {serial: (entry[1], entry[2]) for serial, entry in self._live.items()}
-        self._peak_stale = False
+        """Remember who was live at a region's new peak (taken lazily: before the first free after it, or when
+        the region changes)."""
+        if not self._stale:
+            return
+        snapshot = {serial: (entry[1], entry[2]) for serial, entry in self._live.items()}
+        for region in self._stale:
+            self._snapshots[region] = snapshot
+        self._stale.clear()
+
+    def enter(self, region: str) -> None:
+        """Count from now toward ``region``'s peak."""
+        self._capture()
+        self.region = region
+        self.peaks.setdefault(region, self.total)
+        if region not in self._snapshots:
+            self._stale.add(region)
 
     def mark(self, tensors: Iterator[torch.Tensor], label: str) -> None:
         """Count the storages of ``tensors`` under ``label`` (parameters, gradients, optimizer state), at the
-        peak too when they were live then."""
+        peaks too when they were live then."""
         for tensor in tensors:
             if isinstance(tensor, DTensor):
                 tensor = tensor._local_tensor
@@ -161,16 +183,17 @@ class MemoryLedger:
                 self._marks[entry[0]] = label
 
     def reset_peak(self) -> None:
-        """Start a new peak at the current level (e.g. at the start of the measured step)."""
-        self.peak = self.total
-        self._capture()
+        """Forget every peak: start anew at the current level (e.g. at the start of the measured step)."""
+        self.peaks, self._snapshots, self._stale = {}, {}, set()
+        self.enter(self.region)
 
-    def at_peak(self) -> dict[str, int]:
-        """Bytes by label at the highest total."""
-        if self._peak_stale:
-            self._capture()
+    def at_peak(self, region: Optional[str] = None) -> dict[str, int]:
+        """Bytes by label at the highest total (of ``region``, or of all)."""
+        self._capture()
+        if region is None:
+            region = max(self.peaks, key=self.peaks.get) if self.peaks else self.region
         out: dict[str, int] = defaultdict(int)
-        for serial, (nbytes, label) in self._peak_live.items():
+        for serial, (nbytes, label) in self._snapshots.get(region, {}).items():
             out[self._marks.get(serial, label)] += nbytes
         return dict(out)
 
@@ -246,7 +269,8 @@ class SimulationMode(TorchDispatchMode):
 
     @contextlib.contextmanager
     def all_fake(self) -> Iterator[None]:
-        """Inside the block every new tensor is fake, whatever its size (the parameters, the optimizer state)."""
+        """Inside the block every tensor made from nothing or from meta tensors is fake, whatever its size (the
+        parameters, the optimizer state); ops on real tensors (a device mesh's rank table) stay real."""
         self._forced += 1
         try:
             yield
@@ -267,7 +291,8 @@ class SimulationMode(TorchDispatchMode):
         if staging:
             with self.ledger.labelled("collective_staging"):
                 self.ledger.transient(staging)
-        fakes = [t for t in _tensors((args, kwargs), []) if isinstance(t, FakeTensor)]
+        tensors = _tensors((args, kwargs), [])
+        fakes = [t for t in tensors if isinstance(t, FakeTensor)]
         if fakes:
             if any(t.fake_mode is not self.fake_mode for t in fakes):
                 return func(*args, **kwargs)  # DTensor's sharding propagation: metadata only, not memory
@@ -281,7 +306,7 @@ class SimulationMode(TorchDispatchMode):
                 args = _real_mask_indices(args)
             with self.fake_mode:
                 out = func(*args, **kwargs)
-        elif self._forced or self._creates_large(func, args, kwargs):
+        elif (self._forced and all(t.is_meta for t in tensors)) or self._creates_large(func, args, kwargs):
             with self.fake_mode:
                 out = func(*args, **kwargs)
         else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -39,6 +40,9 @@ from leangrpo_mcore.parallel.sim_mode import SimulationMode, is_fake
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "provisional_gradients", "retained_graphs",
               "activations", "temporary")
+ROLLOUT_PHASES = ("rollout", "reward", "advantage")
+"""Phases of a step counted toward its rollout region (the rest toward its update region): Retain's graphs
+build up in the first and are consumed in the second, and only the first scales with the trained steps."""
 NOT_SIMULATED = ("text encoding (before the step)", "latent decoding and the reward model (planner inputs)")
 
 
@@ -58,13 +62,18 @@ class Simulation:
     """Python numbers read out of fake tensors (made up)."""
     not_simulated: tuple[str, ...] = NOT_SIMULATED
     notes: list[str] = field(default_factory=list)
-    by_label: dict[str, int] = field(default_factory=dict)
-    """Bytes at the peak by allocation label (the phase, ``:grad`` for grad-enabled forwards) or mark."""
+    regions: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Breakdown at the peak of each region of the step (rollout, update)."""
+    level: int = 0
+    """Live bytes at the measured step's start."""
+    peak_region: str = ""
+    """The region of the highest peak."""
 
     def as_json(self) -> dict:
         return {"simulated_peak_bytes": self.peak_bytes, "simulated_step_peak_bytes": self.step_peak_bytes,
                 "simulated_breakdown": dict(self.breakdown), "simulated_seconds": round(self.seconds, 1),
-                "simulated_fake_reads": self.fake_reads, "not_simulated": list(self.not_simulated),
+                "simulated_fake_reads": self.fake_reads, "simulated_peak_region": self.peak_region,
+                "not_simulated": list(self.not_simulated),
                 "simulation_notes": list(self.notes)}
 
 
@@ -122,7 +131,11 @@ class _Labeller:
         else:
             self.stack.pop()
             self.mark()
-        self.sim.ledger.label = self.stack[-1] if self.stack else "other"
+        phase = self.stack[-1] if self.stack else "other"
+        self.sim.ledger.label = phase
+        region = "rollout" if phase in ROLLOUT_PHASES else ("update" if self.stack else "other")
+        if region != self.sim.ledger.region:
+            self.sim.ledger.enter(region)
 
     def mark(self) -> None:
         ledger, engine = self.sim.ledger, self.engine
@@ -198,18 +211,33 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
                     level = ledger.total
                 engine.step(StepInputs(step=step, conditioning=cond, prompt_ids=ids))
                 labeller.mark()
-            raw = ledger.at_peak()
-            peak = ledger.peak
+            regions = {region: _categorised(ledger.at_peak(region), schedule) for region in ledger.peaks}
+    return _result(regions, level, time.perf_counter() - start, sim.fake_reads)
+
+
+def _categorised(raw: dict[str, int], schedule: str) -> dict[str, int]:
     breakdown = {name: 0 for name in CATEGORIES}
     for label, nbytes in raw.items():
         breakdown[_category(label, schedule)] += nbytes
-    return Simulation(peak_bytes=peak, step_peak_bytes=peak - level, breakdown=breakdown,
-                      seconds=time.perf_counter() - start, fake_reads=sim.fake_reads, by_label=raw)
+    return breakdown
 
 
-BASE_BLOCKS = 2
-"""Blocks of each kind in the smallest simulated policy of an extrapolation (one block of a kind would leave out
-the transients of consecutive blocks: a block's gradients still being reduced while the next one's backward runs)."""
+def _result(regions: dict[str, dict[str, int]], level: int, seconds: float, fake_reads: int,
+            notes: Optional[list[str]] = None) -> Simulation:
+    """The simulation whose peak is the highest of its regions' peaks."""
+    region = max(regions, key=lambda r: sum(regions[r].values()))
+    peak = sum(regions[region].values())
+    return Simulation(peak_bytes=peak, step_peak_bytes=peak - level, breakdown=dict(regions[region]),
+                      seconds=seconds, fake_reads=fake_reads, notes=list(notes or []), regions=regions, level=level,
+                      peak_region=region)
+
+
+BASE_BLOCKS = 3
+"""Blocks of each kind in the smallest simulated policy of an extrapolation. Fewer would leave out transients of
+consecutive blocks (one block's gradients still being reduced while the next one's backward runs): measured on
+FLUX.1-dev's widths, the temporaries at the peak grow from 2 to 3 double blocks and not after."""
+SIM_STEPS = 2
+"""Denoising steps of a simulated rollout (at most, and as many trained steps as fit)."""
 
 
 def block_counts(config: Config) -> dict[str, int]:
@@ -234,44 +262,88 @@ def with_blocks(config: Config, counts: dict[str, int]) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(m, arch={**arch, **counts}))
 
 
-def _combine(parts: list[tuple[float, Simulation]], seconds: float, note: str) -> Simulation:
-    """The weighted sum of simulations (an affine extrapolation), category by category."""
-    def total(get):
-        return int(round(sum(w * get(s) for w, s in parts)))
+def selected_steps(config: Config) -> int:
+    """|S| of ``config``."""
+    from leangrpo_mcore.diffusion.selection import num_selected
 
-    breakdown = {name: max(0, total(lambda s, n=name: s.breakdown[n])) for name in CATEGORIES}
-    return Simulation(peak_bytes=sum(breakdown.values()), step_peak_bytes=total(lambda s: s.step_peak_bytes),
-                      breakdown=breakdown, seconds=seconds, fake_reads=sum(s.fake_reads for _, s in parts),
-                      notes=[note])
+    g = config.grpo
+    return num_selected(g.timestep_selection, config.sampler.num_steps, g.timestep_fraction,
+                        config.sampler.sde_window_size)
+
+
+def with_steps(config: Config) -> tuple[Config, float]:
+    """``config`` with at most :data:`SIM_STEPS` denoising steps, and the factor by which its retained graphs
+    scale to the configured |S| (1 when nothing changed). Per denoising step a step allocates and frees the
+    same: only Retain's graphs, one per trained step, add up over the steps."""
+    s, g = config.sampler, config.grpo
+    if s.num_steps <= SIM_STEPS or g.timestep_selection not in ("flow_grpo", "dance_grpo"):
+        return config, 1.0
+    want = selected_steps(config)
+    trainable = SIM_STEPS if g.timestep_selection == "flow_grpo" else SIM_STEPS - 1
+    fewer = max(1, min(want, trainable))
+    fraction = min(1.0, (fewer + 0.5) / trainable)  # int(trainable * fraction) == fewer
+    reduced = dataclasses.replace(config, sampler=dataclasses.replace(s, num_steps=SIM_STEPS),
+                                  grpo=dataclasses.replace(g, timestep_fraction=fraction))
+    return reduced, want / fewer
+
+
+def _scaled(sim: Simulation, graphs: float) -> Simulation:
+    """``sim`` with the retained graphs of its rollout region scaled by ``graphs`` (simulated trained steps to
+    |S|); the update region consumes them and is left as it is."""
+    if graphs == 1.0 or "rollout" not in sim.regions:
+        return sim
+    regions = {name: dict(b) for name, b in sim.regions.items()}
+    rollout = regions["rollout"]
+    rollout["retained_graphs"] = int(round(rollout["retained_graphs"] * graphs))
+    return _result(regions, sim.level, sim.seconds, sim.fake_reads, sim.notes)
+
+
+def _combine(parts: list[tuple[float, Simulation]], seconds: float, notes: list[str]) -> Simulation:
+    """The weighted sum of simulations (an affine extrapolation), region by region and category by category."""
+    names = set.intersection(*(set(sim.regions) for _, sim in parts))
+    regions = {name: {c: max(0, int(round(sum(w * sim.regions[name][c] for w, sim in parts)))) for c in CATEGORIES}
+               for name in names}
+    level = int(round(sum(w * sim.level for w, sim in parts)))
+    return _result(regions, level, seconds, sum(sim.fake_reads for _, sim in parts), notes)
 
 
 def simulate(config: Config, world_size: int, *, schedule: Optional[str] = None, rank: int = 0,
              backend: str = "nccl") -> Simulation:
     """One rank's steady-state step of ``config`` at ``world_size``.
 
-    A policy small enough is simulated as it is. A full-size one is simulated with :data:`BASE_BLOCKS` blocks of
-    each kind and with one more block of each kind in turn (widths, tokens, layout, schedule all as configured),
-    and every category is extrapolated to the real block counts: beyond the transients of consecutive blocks,
-    which the base already holds, memory is affine in the number of blocks of a kind, since blocks of a kind are
-    identical in shape and are wrapped, gathered, checkpointed, retained and reduced one by one (tested against
-    direct simulations). Fake-tensor dispatch costs the same per op at any width, so this is what keeps a
-    12B-parameter candidate within minutes on a CPU.
+    A small config is simulated as it is. A full-size one is simulated smaller in two directions, and every
+    category of the peak is carried over to the real sizes:
+
+    - Blocks: with :data:`BASE_BLOCKS` blocks of each kind and with one more block of each kind in turn (widths,
+      tokens, layout, schedule all as configured). Beyond the transients of consecutive blocks, which the base
+      already holds, memory is affine in the number of blocks of a kind: blocks of a kind are identical in shape
+      and are wrapped, gathered, checkpointed, retained and reduced one by one.
+    - Denoising steps: a rollout of :data:`SIM_STEPS` steps. A step allocates and frees the same at every
+      denoising step; only Retain's graphs, one per trained step, add up, and they are scaled to |S|.
+
+    Both reductions are tested against direct simulations. Fake-tensor dispatch costs the same per op at any
+    width, so this is what keeps a 12B-parameter candidate within minutes on a CPU.
     """
     start = time.perf_counter()
     counts = block_counts(config)
+    small, graphs = with_steps(config)
+    run = functools.partial(simulate_step, world_size=world_size, schedule=schedule, rank=rank, backend=backend)
     extrapolated = len(counts) * (len(counts) * BASE_BLOCKS + 1)  # blocks simulated when extrapolating
+    notes = [] if small is config else [f"simulated with {small.sampler.num_steps} denoising steps; retained "
+                                        f"graphs scaled by {graphs:g} to |S|={selected_steps(config)}"]
     if sum(counts.values()) <= extrapolated or min(counts.values()) < BASE_BLOCKS:
-        return simulate_step(config, world_size, schedule=schedule, rank=rank, backend=backend)
+        sim = _scaled(run(small), graphs)
+        sim.notes.extend(notes)
+        sim.seconds = time.perf_counter() - start
+        return sim
     base = {key: BASE_BLOCKS for key in counts}
-    runs = [simulate_step(with_blocks(config, base), world_size, schedule=schedule, rank=rank,
-                          backend=backend)]
+    runs = [_scaled(run(with_blocks(small, base)), graphs)]
     for key in counts:
-        runs.append(simulate_step(with_blocks(config, {**base, key: BASE_BLOCKS + 1}), world_size,
-                                  schedule=schedule, rank=rank, backend=backend))
+        runs.append(_scaled(run(with_blocks(small, {**base, key: BASE_BLOCKS + 1})), graphs))
     # peak(n) = peak(base) + sum over kinds k of (n_k - base) * (peak(base + one block of kind k) - peak(base))
     extra = {key: counts[key] - BASE_BLOCKS for key in counts}
     weights = [(1.0 - sum(extra.values()), runs[0])] + [(float(extra[key]), sim) for key, sim in zip(counts, runs[1:])]
     shown = ", ".join(f"{k}={v}" for k, v in counts.items())
-    return _combine(weights, time.perf_counter() - start,
-                    f"extrapolated to {shown} from simulations with {BASE_BLOCKS} and {BASE_BLOCKS + 1} blocks "
-                    "of each kind")
+    notes.append(f"extrapolated to {shown} from simulations with {BASE_BLOCKS} and {BASE_BLOCKS + 1} blocks of "
+                 "each kind")
+    return _combine(weights, time.perf_counter() - start, notes)

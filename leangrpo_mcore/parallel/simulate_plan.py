@@ -15,11 +15,14 @@ from typing import Optional
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.config.loader import build_config
 from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.arch_specs import BUILTIN_PRESETS
 from leangrpo_mcore.parallel.cost_model import Estimate
 from leangrpo_mcore.parallel.layout import Plan
 from leangrpo_mcore.parallel.workload import SCHEDULES, Workload
 
 SIMULATE_CHOICES = ("chosen", "all")
+BASE_PRESET = {"flux": "flux-dev", "wan": "wan2.1-1.3b"}
+"""Preset under a diffusers config's own hyper-parameters (every one of them overrides it)."""
 
 
 def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_scale: float) -> Config:
@@ -28,7 +31,8 @@ def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_sc
     fraction = min(1.0, (work.selected_steps + 0.5) / work.num_steps)  # int(T * fraction) == |S|
     wan = arch.family == "wan"
     data = {
-        "model": {"family": arch.family, "preset": None, "arch": dict(arch.config), "backend": "local",
+        "model": {"family": arch.family, "preset": arch.name if arch.name in BUILTIN_PRESETS else BASE_PRESET[arch.family],
+                  "arch": {k: v for k, v in arch.config.items() if not k.startswith("_")}, "backend": "local",
                   "dtype": "float32" if work.precision.compute_bytes == 4 else "bfloat16",
                   "master_dtype": "float32", "text_encoder": "diffusers", "vae": "tiny",
                   "text_max_length": int(work.tokens["text"]),

@@ -74,8 +74,12 @@ def test_group_larger_than_a_node_spans_nodes():
 
 def test_infeasible_group_size_is_planned_around():
     result = plan(_flux(group=12, prompts=1), Hardware(nodes=1, gpus_per_node=8, gpu_mem_bytes=80 * GiB))
-    bad = [c for c in result.candidates if not c.feasible]
+    bad = [c for c in result.candidates if not c.feasible and "does not split" in c.note]
     assert bad and all(c.layout.dp == 8 for c in bad) and "12 does not split over 8" in bad[0].note
+    # pure TP (one data-parallel rank) cannot cast fp32 master weights to bf16: the trainer refuses it, so does the plan
+    uncast = [c for c in result.candidates if not c.feasible and "casts" in c.note]
+    assert uncast and all(c.layout.dp == 1 for c in uncast)
+    assert all(c.feasible for c in result.candidates if c.layout.dp not in (1, 8))
     assert result.ok and 12 % result.layout.dp == 0
 
 

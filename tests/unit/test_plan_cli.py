@@ -107,3 +107,30 @@ def test_large_cluster_table_is_truncated(capsys):
     assert main(["--model", "flux-dev", "--nodes", "16", *HW, "--top", "3", "--lora-rank", "16"]) == 0
     text = capsys.readouterr().out
     assert "more (--top 0 shows all)" in text and "64 more ranks (--json lists all)" in text
+
+
+def _plan_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "leangrpo_mcore.cli.plan", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_simulate_all_reports_simulated_next_to_predicted():
+    proc = _plan_cli("--config", "yaml_configs/tiny/flux.yaml", "--gpus-per-node", "2", "--gpu-mem-gb", "80",
+                     "--simulate", "all", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    simulated = [c for c in out["candidates"] if "simulated_peak_bytes" in c]
+    assert sorted(c["schedule"] for c in simulated) == ["native", "retain", "reweight"]
+    for c in simulated:
+        breakdown = c["simulated_breakdown"]
+        assert c["simulated_peak_bytes"] == sum(breakdown.values()) and breakdown["parameters"] > 0
+        assert c["simulated_over_predicted"] == pytest.approx(c["simulated_peak_bytes"] / c["peak_mem_bytes"],
+                                                                rel=1e-3)
+        assert c["not_simulated"] and c["peak_mem_bytes"] > 0
+    assert "simulating 3/3" in proc.stderr
+
+
+def test_simulate_chosen_when_nothing_fits_is_one_line():
+    proc = _plan_cli("--model", "flux-dev", "--gpus-per-node", "1", "--gpu-mem-gb", "1", "--simulate")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "nothing fits" in proc.stderr
