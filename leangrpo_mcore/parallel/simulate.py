@@ -237,7 +237,7 @@ BASE_BLOCKS = 3
 consecutive blocks (one block's gradients still being reduced while the next one's backward runs): measured on
 FLUX.1-dev's widths, the temporaries at the peak grow from 2 to 3 double blocks and not after."""
 SIM_STEPS = 2
-"""Denoising steps of a simulated rollout (at most, and as many trained steps as fit)."""
+"""Trained steps of a simulated rollout (at most; one untrained step more where the config has one after them)."""
 
 
 def block_counts(config: Config) -> dict[str, int]:
@@ -279,10 +279,19 @@ def with_steps(config: Config) -> tuple[Config, float]:
     if s.num_steps <= SIM_STEPS or g.timestep_selection not in ("flow_grpo", "dance_grpo"):
         return config, 1.0
     want = selected_steps(config)
-    trainable = SIM_STEPS if g.timestep_selection == "flow_grpo" else SIM_STEPS - 1
-    fewer = max(1, min(want, trainable))
-    fraction = min(1.0, (fewer + 0.5) / trainable)  # int(trainable * fraction) == fewer
-    reduced = dataclasses.replace(config, sampler=dataclasses.replace(s, num_steps=SIM_STEPS),
+    steps = SIM_STEPS
+    if g.timestep_selection == "flow_grpo":
+        # the first |S| steps train; keep an untrained step after them if there is one (its forward runs on top of
+        # every kept graph)
+        fewer = max(1, min(want, SIM_STEPS))
+        steps = fewer + (1 if want < s.num_steps else 0)
+        fraction = min(1.0, (fewer + 0.5) / steps)  # int(steps * fraction) == fewer
+    else:  # dance_grpo: trained steps among the first T - 1, the last never trains
+        fewer = max(1, min(want, SIM_STEPS - 1))
+        fraction = min(1.0, (fewer + 0.5) / (SIM_STEPS - 1))
+    if steps >= s.num_steps:
+        return config, 1.0
+    reduced = dataclasses.replace(config, sampler=dataclasses.replace(s, num_steps=steps),
                                   grpo=dataclasses.replace(g, timestep_fraction=fraction))
     return reduced, want / fewer
 

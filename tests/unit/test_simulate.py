@@ -53,9 +53,11 @@ def test_steps_are_reduced_and_retained_graphs_scaled():
                                                         "grpo.timestep_fraction=0.5"])
     small, graphs = with_steps(dance)
     assert (small.sampler.num_steps, selected_steps(small), graphs) == (2, 1, 7.0)
-    three = load_config("yaml_configs/tiny/flux.yaml")  # T=3, |S|=2: one untrained step less, as many graphs
-    small, graphs = with_steps(three)
-    assert (small.sampler.num_steps, selected_steps(small), graphs) == (2, 2, 1.0)
+    three = load_config("yaml_configs/tiny/flux.yaml")  # T=3, |S|=2: nothing to reduce (2 trained + 1 untrained)
+    assert with_steps(three) == (three, 1.0)
+    half = load_config("yaml_configs/tiny/flux.yaml", ["sampler.num_steps=16", "grpo.timestep_fraction=0.5"])
+    small, graphs = with_steps(half)  # 2 trained steps and the untrained one after them
+    assert (small.sampler.num_steps, selected_steps(small), graphs) == (3, 2, 4.0)
     short = load_config("yaml_configs/tiny/flux.yaml", ["sampler.num_steps=2"])
     assert with_steps(short) == (short, 1.0)
 
