@@ -209,7 +209,7 @@ def render(result: Plan, top: int = 0) -> str:
 
 def render_simulations(result: Plan, sims: dict[int, dict]) -> str:
     """The simulated peaks against the predicted ones, one line per simulated candidate."""
-    lines = ["", "simulated (one rank's real step under fake tensors; reserved memory added as predicted):",
+    lines = ["", "", "simulated (one rank's real step under fake tensors; reserved memory added as predicted):",
              f"{'schedule':9}{'tp':>3}{'shard':>6}{'repl':>5}{'ckpt':>5}{'predicted GiB':>15}{'simulated GiB':>15}"
              f"{'ratio':>7}{'sim s':>7}  biggest simulated terms"]
     for index, sim in sims.items():

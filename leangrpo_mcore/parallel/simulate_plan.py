@@ -83,9 +83,15 @@ def targets(plan: Plan, which: str) -> list[int]:
 
 def simulate_candidate(config: Config, est: Estimate, plan: Plan) -> dict:
     """The simulation of one candidate, as the JSON fields added next to its prediction."""
+    import warnings
+
     from leangrpo_mcore.parallel.simulate import simulate
 
-    sim = simulate(candidate_config(config, est), plan.hardware.world_size, schedule=est.schedule)
+    with warnings.catch_warnings():
+        # what the simulated step warns about is the training run's business (FSDP2's note on a view output,
+        # megatron's missing optional kernels), not the plan's
+        warnings.simplefilter("ignore", UserWarning)
+        sim = simulate(candidate_config(config, est), plan.hardware.world_size, schedule=est.schedule)
     reserved = int(est.memory.get("reserved", 0))
     out = sim.as_json()
     out["simulated_breakdown"]["reserved"] = reserved
