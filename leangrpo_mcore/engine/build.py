@@ -181,6 +181,7 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
             apply_lora(policy, _lora_section(lora, family), seed=m.seed)
     if getattr(policy, "lora_config", None) is not None:
         mark_only_lora_trainable(policy)
+        _frozen_in(policy, torch_dtype(precision.compute))
     tp_layout = capture_tp_layout(policy)
     materialize(policy, pctx.device, seed=m.seed, files=files, layout=tp_layout,
                 wrap=lambda model: apply_fsdp(model, pctx, param_dtype=precision.compute,
@@ -193,6 +194,20 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
     if config.train.ema_decay > 0:
         ema = {name: p.detach().clone().float() for name, p in policy.named_parameters() if p.requires_grad}
     return PolicyParts(policy, family, tp_layout, optimizer, scheduler, ema)
+
+
+def _frozen_in(policy: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Frozen (LoRA base) parameters of the meta policy in the compute ``dtype``: they are never updated, so a
+    master copy would only double them (a 12B base: 45 GiB in fp32 instead of 22 GiB); forwards see the same
+    values, since FSDP2 casts them to the compute dtype anyway."""
+    for module in policy.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or param.dtype == dtype:
+                continue
+            frozen = torch.nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            for attr, value in vars(param).items():
+                setattr(frozen, attr, value)
+            module._parameters[name] = frozen
 
 
 def _reward(config: Config) -> ValidatedReward:

@@ -117,3 +117,23 @@ def test_fp8_reaches_a_policy_loaded_from_a_path(tmp_path):
     assert (config.fp8, config.fp8_recipe, config.tp_only_amax_red) == ("hybrid", "mxfp8", True)
     with pytest.raises(ValueError, match="delayed scaling is not offered"):
         fp8_config(files.config, "delayed")
+
+
+def test_lora_base_is_held_in_the_compute_dtype_and_adapters_in_the_master_dtype(tmp_path):
+    """A frozen base needs no master copy: bf16 compute keeps it in bf16 (half of fp32), the adapters and their
+    optimizer state stay fp32, and the base does not move."""
+    run = tmp_path / "lora"
+    assert main(["--config", TINY_FLUX, f"train.output_dir={run}", "train.max_steps=3", "logging.progress_bar=false",
+                 "logging.tensorboard=false", "reward.name=tests.unit.test_precision:contrast", "model.dtype=bfloat16",
+                 "model.lora.rank=4", "optim.lr=1e-3"]) == 0
+    weights = model_tensors(run / "checkpoints" / "step_3")
+    optim = stored_tensors(run / "checkpoints" / "step_3", "optim/")
+    assert {t.dtype for t in optim.values() if t.ndim} == {torch.float32}
+    base = {k: v for k, v in weights.items() if "lora_" not in k}
+    adapters = {k: v for k, v in weights.items() if "lora_" in k}
+    assert base and adapters
+    assert {v.dtype for v in base.values()} == {torch.bfloat16}
+    assert {v.dtype for v in adapters.values()} == {torch.float32}
+    init = dict(build_policy({"family": "flux", "preset": "flux-tiny"}, seed=0, backend="local").named_parameters())
+    for name, value in base.items():  # the base is the seeded init rounded once to bf16, unchanged by training
+        assert torch.equal(value, init[name].detach().to(torch.bfloat16)), name
