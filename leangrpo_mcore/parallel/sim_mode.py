@@ -34,7 +34,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten  # noqa: F401  (kept for _to_fake)
+from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 SMALL_NUMEL = 1 << 20
@@ -94,6 +94,8 @@ class MemoryLedger:
         self._marks: dict[int, str] = {}
         self.label = "other"
         """Label given to storages allocated now."""
+        self.tag_grad = False
+        """Add ``:grad`` to the label of storages allocated with grad mode on (the parameters' label excepted)."""
         self.region = "other"
         """Region whose peak the current level counts toward."""
         self.total = 0
@@ -113,7 +115,10 @@ class MemoryLedger:
         if storage in self._info:
             return
         self._serial += 1
-        entry = [self._serial, storage.nbytes(), self.label]
+        label = self.label
+        if self.tag_grad and label != "parameters" and torch.is_grad_enabled():
+            label = f"{label}:grad"
+        entry = [self._serial, storage.nbytes(), label]
         self._info[storage] = entry
         self._live[entry[0]] = entry
         weakref.finalize(storage, self._remove, entry[0])
@@ -277,12 +282,6 @@ class SimulationMode(TorchDispatchMode):
         finally:
             self._forced -= 1
 
-    def fake(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A fake copy of a real tensor (no data), counted."""
-        out = self.fake_mode.from_tensor(tensor)
-        self.ledger.add(out.untyped_storage())
-        return out
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
@@ -336,15 +335,6 @@ class SimulationMode(TorchDispatchMode):
                 if isinstance(t, FakeTensor) and t.fake_mode is not self.fake_mode:
                     continue
                 self.ledger.add(t.untyped_storage())
-
-
-@contextlib.contextmanager
-def real_values() -> Iterator[None]:
-    """Nothing outside a simulation; inside one, everything in the block runs for real, whatever its size."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        yield
 
 
 def is_fake(tensor: Optional[torch.Tensor]) -> bool:

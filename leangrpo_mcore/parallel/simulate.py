@@ -193,16 +193,7 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
             hyper = parts.policy.config.to_diffusers_config()
             cond = _conditioning(config, hyper, parts.family.name, config.grpo.prompts_per_step)
             ids = torch.arange(config.grpo.prompts_per_step)
-            original = ledger.add
-
-            def add(storage):  # the grad mode is part of an allocation's label
-                label = ledger.label
-                ledger.label = f"{label}:grad" if torch.is_grad_enabled() and label != "parameters" else label
-                try:
-                    original(storage)
-                finally:
-                    ledger.label = label
-            ledger.add = add
+            ledger.tag_grad = True  # the grad mode is part of an allocation's label from here on
             _initialise_optimizer(sim, engine)
             for step in range(steps):
                 if step == steps - 1:
