@@ -204,3 +204,20 @@ def test_wan_boundary_carries_hidden_temb_modulation_and_text(per_token, rows):
     assert torch.equal(boundary[:, 60:60 + tokens], temb.reshape(2, tokens, 24))
     assert torch.equal(boundary[:, 60 + tokens:rows - 7], modulation.reshape(2, 6 * tokens, 24))
     assert torch.equal(boundary[:, rows - 7:], context)
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def test_each_stage_loads_its_subset_of_a_whole_model_checkpoint(tmp_path):
+    from leangrpo_mcore.models import load_policy, save_policy
+
+    whole = _flux_whole()
+    save_policy(whole, tmp_path / "ours")
+    full = whole.state_dict()
+    names = []
+    for stage in split_blocks(4, 3, sizes=[1, 1, 2]):
+        model = load_policy(tmp_path / "ours", backend="local", stage=stage)
+        assert model.lora_config == whole.lora_config
+        names.extend(model.state_dict())
+        for name, param in model.named_parameters():
+            assert torch.equal(param, full[name]), name
+    assert sorted(names) == sorted(full)
