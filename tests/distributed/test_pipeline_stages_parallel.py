@@ -1,7 +1,7 @@
-"""FLUX pipeline stages at tensor-parallel size 2 (2 gloo ranks): three stages (a boundary inside the double
-blocks, one at the double/single boundary) chained by hand equal the whole model at TP=1, output and every
-parameter's gradient gathered over TP, with LoRA adapters on every kind of linear (to 1e-5, TP=2 adding in
-another order) and the whole model at TP=2 (to 1e-6)."""
+"""Pipeline stages on 2 gloo ranks, chained by hand. TP=2: three FLUX stages (a boundary inside the double
+blocks, one at the double/single boundary) with LoRA on every kind of linear equal the whole model at TP=2 (to
+1e-6) and at TP=1 (to 1e-5: TP adds in another order), output and every gradient gathered over TP. CP=2: FLUX
+and Wan (per-token timesteps) stages equal the whole model at CP=2, uneven token pieces included."""
 
 import pytest
 import torch
@@ -79,3 +79,43 @@ def test_three_stages_at_tp2_equal_the_whole_model_at_tp1():
         assert result["names"] and result["lora"] > 30
         assert result["out"] < 1e-5 and result["grad"] < 1e-5, result  # TP changes the summation order
         assert result["out_tp2"] <= 1e-6 and result["grad_tp2"] <= 1e-6, result  # the whole model at TP=2
+
+
+def _stages_against_whole(model_config, inputs, sizes):
+    """(output error, largest gradient error) of the stages chained by hand against the whole model, both
+    on this rank (under CP: this rank's partial gradients)."""
+    from leangrpo_mcore.models import build_policy
+    from leangrpo_mcore.models.common.pipeline import split_blocks
+    from tests.unit.test_pipeline_stages import _chain
+
+    whole = build_policy(model_config, seed=3, backend="local")
+    ref = whole(**inputs)
+    probe = torch.linspace(-1, 1, ref.numel()).view_as(ref)
+    torch.autograd.backward(ref, probe)
+    stages = [build_policy(model_config, seed=3, backend="local", stage=stage)
+              for stage in split_blocks(whole.config.num_layers, len(sizes), sizes)]
+    out = _chain(stages, inputs, probe)
+    ref_grads = dict(whole.named_parameters())
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()  # noqa: E731
+    return rel(out, ref.detach()), max(rel(p.grad, ref_grads[n].grad) for m in stages for n, p in m.named_parameters())
+
+
+def _cp_rank(rank, world_size):
+    from megatron.core import parallel_state
+
+    from tests.distributed.test_context_parallel import _flux_inputs, _wan_inputs
+
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    try:
+        # 5 text tokens (pieces of 3 and 2) and 16 image tokens; 9 video tokens (5 and 4) with per-token timesteps.
+        return {"flux": _stages_against_whole(TINY, _flux_inputs(), (1, 1, 1)),
+                "wan": _stages_against_whole({"preset": "tiny", "family": "wan"}, _wan_inputs(True), (1, 1))}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_stages_at_cp2_equal_the_whole_model_at_cp2():
+    """The boundary tensors carry this CP rank's tokens (uneven pieces included)."""
+    for result in run_ranks(_cp_rank, 2, timeout=240):
+        for family, (out_err, grad_err) in result.items():
+            assert out_err <= 1e-6 and grad_err <= 1e-6, (family, out_err, grad_err)
