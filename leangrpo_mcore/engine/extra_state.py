@@ -11,11 +11,11 @@ that state itself. The rules:
   skipped; a TE module returns a tensor, empty until FP8 has run, and is always saved.
 - The DCP key is ``extra/<module>._extra_state/tp_<r>``: one entry per module and tensor-parallel rank, the
   value serialized with ``torch.save`` and stored as opaque bytes (never resharded). The data-parallel replicas
-  of a TP rank hold the same key and DCP writes it once: their states agree, since TE reduces amaxes over the
-  whole amax-reduction group and the current-scaling recipes keep no statistics at all.
+  of a TP rank hold the same key and DCP writes one of them: under the current-scaling recipes TE's state is the
+  recipe and flags only, the same on every rank, and the forwards of a TP group's ranks are identical.
 - On load at the TP degree of the save, each rank restores its own TP rank's entry: resume is exact. At another
-  TP degree every rank restores TP rank 0's entry. That loses nothing TE depends on: its state is the same on
-  every TP rank (the recipe and flags; delayed-scaling amaxes are reduced over a group that spans TP).
+  TP degree every rank restores TP rank 0's entry (no rank of the new layout corresponds to an old one); for TE
+  under current scaling that is exact too, its state being the same on every rank.
 - A checkpoint without an entry for a module that has extra state (written before extra state was saved, or by
   the local backend, then resumed under TE) still loads, with one warning naming the modules: they keep the
   state they were built with. That is exact for the current-scaling recipes this project offers (TE derives
