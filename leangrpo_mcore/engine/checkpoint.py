@@ -60,7 +60,9 @@ STATE_FILE = "trainer_state.json"
 OPTIM_FILE = "optimizer.json"
 FORMAT = "leangrpo_mcore.train_checkpoint"
 VERSION = 3
-"""3: the policy's fused q/k/v and FLUX's single-block ``proj_out`` in their per-head layouts."""
+"""3: the policy's fused q/k/v and FLUX's single-block ``proj_out`` in their per-head layouts. Modules' extra
+state (``extra/`` keys) came later without a bump: its entries sit beside the others, so a version-3 checkpoint
+without them still loads (with a warning for modules that keep extra state) and older readers skip them."""
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 TPLayout = dict[str, torch.Tensor]

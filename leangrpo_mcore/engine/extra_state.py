@@ -12,7 +12,7 @@ that state itself. The rules:
 - The DCP key is ``extra/<module>._extra_state/tp_<r>``: one entry per module and tensor-parallel rank, the
   value serialized with ``torch.save`` and stored as opaque bytes (never resharded). The data-parallel replicas
   of a TP rank hold the same key and DCP writes one of them: under the current-scaling recipes TE's state is the
-  recipe and flags only, the same on every rank, and the forwards of a TP group's ranks are identical.
+  recipe and flags only, the same on every rank.
 - On load at the TP degree of the save, each rank restores its own TP rank's entry: resume is exact. At another
   TP degree every rank restores TP rank 0's entry (no rank of the new layout corresponds to an old one); for TE
   under current scaling that is exact too, its state being the same on every rank.
