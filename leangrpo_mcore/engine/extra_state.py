@@ -8,9 +8,11 @@ that state itself. The rules:
 
 - A module *has* extra state when its ``get_extra_state()`` returns something other than None. megatron's
   local ``ColumnParallelLinear`` / ``RowParallelLinear`` return None (a placeholder for TE compatibility) and are
-  skipped; a TE module returns a tensor, empty until FP8 has run, and is always saved.
+  skipped; a TE module returns a tensor (holding no FP8 metadata until FP8 has run) and is always saved.
 - The DCP key is ``extra/<module>._extra_state/tp_<r>``: one entry per module and tensor-parallel rank, the
-  value serialized with ``torch.save`` and stored as opaque bytes (never resharded). The data-parallel replicas
+  value serialized with ``torch.save`` and stored as opaque bytes (never resharded; read back with
+  ``weights_only=True``, so a state is tensors and plain containers; older TE's ``io.BytesIO`` travels as its
+  bytes in a uint8 tensor). The data-parallel replicas
   of a TP rank hold the same key and DCP writes one of them: under the current-scaling recipes TE's state is the
   recipe and flags only, the same on every rank.
 - On load at the TP degree of the save, each rank restores its own TP rank's entry: resume is exact. At another
@@ -61,11 +63,24 @@ def extra_states(model: torch.nn.Module) -> dict[str, Any]:
     return found
 
 
+_BYTES_IO = "io.BytesIO"
+
+
 def serialize(state: Any) -> bytes:
     """One module's extra state as bytes (``torch.save``; TE's is a uint8 tensor)."""
+    if isinstance(state, io.BytesIO):  # older TE releases: not loadable with weights_only, so carried as bytes
+        state = {_BYTES_IO: torch.frombuffer(bytearray(state.getvalue()), dtype=torch.uint8)}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
+
+
+def deserialize(blob: bytes) -> Any:
+    """Inverse of :func:`serialize` (tensors on the CPU)."""
+    state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and list(state) == [_BYTES_IO]:
+        return io.BytesIO(state[_BYTES_IO].numpy().tobytes())
+    return state
 
 
 def save_entries(model: torch.nn.Module, tp: int) -> dict[str, bytes]:
@@ -105,7 +120,7 @@ def restore(model: torch.nn.Module, loaded: dict[str, bytearray], path: str) -> 
     for key, blob in loaded.items():
         name, _ = _module_of(key)
         try:
-            state = torch.load(io.BytesIO(bytes(blob)), map_location="cpu", weights_only=True)
+            state = deserialize(bytes(blob))
         except Exception as err:  # noqa: BLE001 -- a foreign or damaged entry, in one line
             lines = str(err).strip().splitlines()
             raise UserError(f"checkpoint {path}: cannot read the extra state of '{name}': "

@@ -2,6 +2,7 @@
 process: the values round-trip through save and resume, a checkpoint without it loads with a warning, and at
 another TP degree every rank reads TP rank 0's entry."""
 
+import io
 import os
 
 import pytest
@@ -109,3 +110,10 @@ def test_another_tp_degree_reads_tp_rank_0s_entry():
     assert targets(3, 4) == ["extra/probe._extra_state/tp_0"]  # another degree: TP rank 0's
     assert targets(0, 1) == ["extra/probe._extra_state/tp_0"]
     assert extra_state.save_entries(model, 1).keys() == {"extra/probe._extra_state/tp_1"}
+
+
+def test_serialized_states_come_back_equal():
+    te_like = torch.frombuffer(bytearray(b"\x80\x04N."), dtype=torch.uint8)  # TE's pickled None
+    assert torch.equal(extra_state.deserialize(extra_state.serialize(te_like)), te_like)
+    old = extra_state.deserialize(extra_state.serialize(io.BytesIO(b"fp8 meta")))
+    assert isinstance(old, io.BytesIO) and old.getvalue() == b"fp8 meta"
