@@ -1,15 +1,16 @@
 """Latent layouts and decoding latents to images through diffusers' VAEs.
 
-FLUX samples packed latents (B, (h/2)·(w/2), C·4): 2×2 latent patches flattened into tokens, with h = H/8 and
-w = W/8 the VAE latent size (FluxPipeline ``_pack_latents``). Its ``AutoencoderKL`` decodes
+FLUX samples packed latents (B, (h/2)·(w/2), C·4): 2×2 latent patches flattened into tokens, with h = H/f and
+w = W/f the VAE latent size (FluxPipeline ``_pack_latents``). Its ``AutoencoderKL`` decodes
 ``z / scaling_factor + shift_factor``. Wan samples video latents (B, C, F', h, w) with F' = (F − 1)/4 + 1; its
-``AutoencoderKLWan`` decodes ``z · latents_std + latents_mean`` (per channel). h and w are the pixel sides over the
-VAE's spatial factor f (:mod:`leangrpo_mcore.vae_factors`): 8 for FLUX and Wan2.1, 16 for Wan2.2's 48-channel VAE,
-which patches 2×2 pixels before its three down-samplings. Decoded pixels in [−1, 1] are
-mapped to [0, 1] as diffusers' image processor does ((x + 1)/2, clamped).
+``AutoencoderKLWan`` decodes ``z · latents_std + latents_mean`` (per channel). f is the VAE's spatial factor
+(:mod:`leangrpo_mcore.vae_factors`): 8 for FLUX and Wan2.1, 16 for Wan2.2's 48-channel VAE, which patches 2×2
+pixels before its three down-samplings. Decoded pixels in [−1, 1] are mapped to [0, 1] as diffusers' image
+processor does ((x + 1)/2, clamped).
 
 ``build_vae("tiny", ...)`` makes a small randomly initialised VAE with the policy's latent channels and spatial
-factor (fixed by the seed) so CPU runs decode real images; ``build_vae("diffusers", ...)`` loads weights from a local directory.
+factor (fixed by the seed) so CPU runs decode real images; ``build_vae("diffusers", ...)`` loads weights from a
+local directory.
 """
 
 from __future__ import annotations
