@@ -42,18 +42,19 @@ def _check_family(family: str) -> None:
 
 
 def latent_shape(
-    family: str, height: int, width: int, frames: int = 1, channels: int = 16, *, factor: Optional[int] = None
+    family: str, height: int, width: int, frames: int = 1, channels: int = 16, *,
+    spatial_factor: Optional[int] = None,
 ) -> tuple[int, ...]:
     """Per-sample latent shape the policy samples: FLUX packed (tokens, C·4); Wan (C, F', H/f, W/f).
 
-    ``factor`` is the VAE's spatial factor f (None: the family's VAE for ``channels`` latent channels, see
-    :func:`leangrpo_mcore.vae_factors.spatial_factor`). Height and width must be multiples of 2·f (the 2×2
+    ``spatial_factor`` is the VAE's spatial factor f (None: the family's VAE for ``channels`` latent channels,
+    see :func:`leangrpo_mcore.vae_factors.spatial_factor`). Height and width must be multiples of 2·f (the 2×2
     patch of both policies); Wan needs ``frames`` = 4k + 1 and FLUX ``frames`` = 1.
     """
     _check_family(family)
     if channels < 1:
         raise ValueError(f"latent channels must be >= 1, got {channels}")
-    f = factor or vae_factors.spatial_factor(family, {"in_channels": channels})
+    f = spatial_factor or vae_factors.spatial_factor(family, {"in_channels": channels})
     step = 2 * f
     if height < step or width < step or height % step or width % step:
         raise UserError(f"sampler.height and sampler.width must be positive multiples of {step} (the VAE "

@@ -243,7 +243,7 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
     text = build_text_encoder(m, fam, dims, negative_prompt=negative, guidance=guidance, seed=m.seed,
                               device=device)
     channels, factor = latent_channels(family, diffusers_config), spatial_factor(fam, diffusers_config)
-    latent_shape(fam, s.height, s.width, s.frames, channels, factor=factor)  # a bad resolution fails before loading
+    latent_shape(fam, s.height, s.width, s.frames, channels, spatial_factor=factor)  # before any weights load
     decoder = build_vae(m.vae, fam, m.vae_path, seed=m.seed, latent_channels=channels, spatial_factor=factor,
                         device=device)
     return DataParts(dataset, sampler, text, decoder, _reward(config))
@@ -260,8 +260,8 @@ def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: Parall
     """Sigma schedule, velocity function and the step engine of the configured schedule."""
     s, fam = config.sampler, parts.family.name
     hyper = parts.policy.config.to_diffusers_config()
-    factor = spatial_factor(fam, hyper)
-    shape = latent_shape(fam, s.height, s.width, s.frames, latent_channels(parts.family, hyper), factor=factor)
+    factor, channels = spatial_factor(fam, hyper), latent_channels(parts.family, hyper)
+    shape = latent_shape(fam, s.height, s.width, s.frames, channels, spatial_factor=factor)
     if s.sigma_schedule == "flux":
         sigmas = get_sigmas("flux", s.num_steps, image_seq_len=shape[0])
     else:

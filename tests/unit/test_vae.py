@@ -111,7 +111,7 @@ def test_tiny_wan_and_loader_errors(tmp_path):
 def test_wan22_latent_shape_uses_its_16x_vae():
     assert latent_shape("wan", 704, 1280, 49, 48) == (48, 13, 44, 80)
     assert latent_shape("wan", 704, 1280, 49, 16) == (16, 13, 88, 160)  # Wan2.1's VAE: 8x
-    assert latent_shape("wan", 704, 1280, 49, 48, factor=8) == (48, 13, 88, 160)
+    assert latent_shape("wan", 704, 1280, 49, 48, spatial_factor=8) == (48, 13, 88, 160)
     with pytest.raises(UserError, match="multiples of 32 .* got 720x1280"):
         latent_shape("wan", 720, 1280, 49, 48)
     assert latent_shape("wan", 720, 1280, 49, 16) == (16, 13, 90, 160)
