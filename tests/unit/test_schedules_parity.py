@@ -284,3 +284,14 @@ def test_reweight_micro_batches_train_every_sample_of_the_per_sample_forwards(mi
     assert reweight.buffers == 5  # one provisional gradient per sample, whatever the micro-batch, + the KL one
     single = run_case(case.but(schedule="reweight", micro_batch=1))
     assert rel_l2(single.grads[0], reweight.grads[0]) < 1e-6
+
+
+def test_only_reweight_asks_the_rollout_for_per_sample_forwards(monkeypatch):
+    import leangrpo_mcore.engine.step as step
+
+    asked, real = [], step.rollout
+    monkeypatch.setattr(step, "rollout", lambda *a, **k: asked.append(k["per_sample_grad"]) or real(*a, **k))
+    for schedule in ("native", "retain", "reweight"):
+        asked.clear()
+        run_case(Case(family="flux", micro_batch=2, prompts=1, schedule=schedule))
+        assert asked == [schedule == "reweight"] * 2  # two micro-batches of the group of 4
