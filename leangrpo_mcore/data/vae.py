@@ -1,13 +1,16 @@
 """Latent layouts and decoding latents to images through diffusers' VAEs.
 
-FLUX samples packed latents (B, (h/2)·(w/2), C·4): 2×2 latent patches flattened into tokens, with h = H/8 and
-w = W/8 the VAE latent size (FluxPipeline ``_pack_latents``). Its ``AutoencoderKL`` decodes
+FLUX samples packed latents (B, (h/2)·(w/2), C·4): 2×2 latent patches flattened into tokens, with h = H/f and
+w = W/f the VAE latent size (FluxPipeline ``_pack_latents``). Its ``AutoencoderKL`` decodes
 ``z / scaling_factor + shift_factor``. Wan samples video latents (B, C, F', h, w) with F' = (F − 1)/4 + 1; its
-``AutoencoderKLWan`` decodes ``z · latents_std + latents_mean`` (per channel). Decoded pixels in [−1, 1] are
-mapped to [0, 1] as diffusers' image processor does ((x + 1)/2, clamped).
+``AutoencoderKLWan`` decodes ``z · latents_std + latents_mean`` (per channel). f is the VAE's spatial factor
+(:mod:`leangrpo_mcore.vae_factors`): 8 for FLUX and Wan2.1, 16 for Wan2.2's 48-channel VAE, which patches 2×2
+pixels before its three down-samplings. Decoded pixels in [−1, 1] are mapped to [0, 1] as diffusers' image
+processor does ((x + 1)/2, clamped).
 
-``build_vae("tiny", ...)`` makes a small randomly initialised VAE with the policy's latent channels (fixed by the
-seed) so CPU runs decode real images; ``build_vae("diffusers", ...)`` loads weights from a local directory.
+``build_vae("tiny", ...)`` makes a small randomly initialised VAE with the policy's latent channels and spatial
+factor (fixed by the seed) so CPU runs decode real images; ``build_vae("diffusers", ...)`` loads weights from a
+local directory.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ import torch
 
 from leangrpo_mcore.diffusion.velocity import pack_flux_latents, unpack_flux_latents
 from leangrpo_mcore.errors import UserError
+from leangrpo_mcore import vae_factors
+from leangrpo_mcore.vae_factors import FLUX_SPATIAL_FACTOR, WAN21_SPATIAL_FACTOR, WAN22_SPATIAL_FACTOR
 
 FAMILIES = ("flux", "wan")
 VAE_KINDS = ("tiny", "diffusers")
-SPATIAL_FACTOR = 8
 WAN_TEMPORAL_FACTOR = 4
 # FLUX.1's AutoencoderKL normalisation (the released vae/config.json).
 FLUX_SCALING_FACTOR = 0.3611
@@ -38,20 +42,24 @@ def _check_family(family: str) -> None:
 
 
 def latent_shape(
-    family: str, height: int, width: int, frames: int = 1, channels: int = 16, *, spatial_factor: int = SPATIAL_FACTOR
+    family: str, height: int, width: int, frames: int = 1, channels: int = 16, *,
+    spatial_factor: Optional[int] = None,
 ) -> tuple[int, ...]:
     """Per-sample latent shape the policy samples: FLUX packed (tokens, C·4); Wan (C, F', H/f, W/f).
 
-    Height and width must be multiples of 2·``spatial_factor`` (the 2×2 patch of both policies); Wan needs
-    ``frames`` = 4k + 1 and FLUX ``frames`` = 1.
+    ``spatial_factor`` is the VAE's spatial factor f (None: the family's VAE for ``channels`` latent channels,
+    see :func:`leangrpo_mcore.vae_factors.spatial_factor`). Height and width must be multiples of 2·f (the 2×2
+    patch of both policies); Wan needs ``frames`` = 4k + 1 and FLUX ``frames`` = 1.
     """
     _check_family(family)
-    step = 2 * spatial_factor
-    if height < step or width < step or height % step or width % step:
-        raise ValueError(f"height and width must be positive multiples of {step}, got {height}x{width}")
     if channels < 1:
         raise ValueError(f"latent channels must be >= 1, got {channels}")
-    h, w = height // spatial_factor, width // spatial_factor
+    f = spatial_factor or vae_factors.spatial_factor(family, {"in_channels": channels})
+    step = 2 * f
+    if height < step or width < step or height % step or width % step:
+        raise UserError(f"sampler.height and sampler.width must be positive multiples of {step} (the VAE "
+                        f"compresses {f}x, the policy patches 2x2), got {height}x{width}")
+    h, w = height // f, width // f
     if family == "flux":
         if frames != 1:
             raise ValueError(f"flux generates images: frames must be 1, got {frames}")
@@ -67,7 +75,7 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_latents(
-    latents: torch.Tensor, height: int, width: int, vae_scale_factor: int = SPATIAL_FACTOR
+    latents: torch.Tensor, height: int, width: int, vae_scale_factor: int = FLUX_SPATIAL_FACTOR
 ) -> torch.Tensor:
     """(B, tokens, C·4) -> (B, C, h, w) for an image of ``height`` × ``width`` pixels (inverse of pack)."""
     if latents.ndim != 3 or latents.shape[2] % 4:
@@ -106,6 +114,7 @@ class LatentDecoder:
         self.batch_size = batch_size
         config = vae.config
         self.latent_channels = int(config.latent_channels if family == "flux" else config.z_dim)
+        self.spatial_factor = _vae_spatial_factor(config, family)  # pixels per latent pixel, per side
         if family == "wan":
             view = (1, self.latent_channels, 1, 1, 1)
             self._mean = torch.tensor(config.latents_mean, dtype=torch.float32).view(view)
@@ -142,7 +151,7 @@ class LatentDecoder:
         if self.family == "flux":
             if height is None or width is None:
                 raise ValueError("decoding FLUX latents needs the image height and width")
-            latents = unpack_latents(latents, height, width)
+            latents = unpack_latents(latents, height, width, self.spatial_factor)
         expected_ndim = 4 if self.family == "flux" else 5
         if latents.ndim != expected_ndim or latents.shape[1] != self.latent_channels:
             raise ValueError(
@@ -168,8 +177,19 @@ class LatentDecoder:
         return (latents - self._mean.to(latents.device)) / self._std.to(latents.device)
 
 
-def _tiny_vae(family: str, channels: int) -> torch.nn.Module:
+def _vae_spatial_factor(config: Any, family: str) -> int:
+    """Spatial factor of a diffusers VAE: 2 per down-sampling stage, times Wan's pixel patch (Wan2.2: 2)."""
+    if family == "flux":
+        return 2 ** (len(config.block_out_channels) - 1)
+    return 2 ** (len(config.dim_mult) - 1) * int(getattr(config, "patch_size", None) or 1)
+
+
+def _tiny_vae(family: str, channels: int, factor: int) -> torch.nn.Module:
     from diffusers import AutoencoderKL, AutoencoderKLWan
+
+    valid = (FLUX_SPATIAL_FACTOR,) if family == "flux" else (WAN21_SPATIAL_FACTOR, WAN22_SPATIAL_FACTOR)
+    if factor not in valid:
+        raise ValueError(f"a tiny {family} VAE compresses {' or '.join(map(str, valid))}x, not {factor}x")
 
     if family == "flux":
         return AutoencoderKL(
@@ -184,6 +204,8 @@ def _tiny_vae(family: str, channels: int) -> torch.nn.Module:
             use_quant_conv=False,
             use_post_quant_conv=False,
         )
+    # Wan2.2's layout: a 2x2 pixel patch (12 = 3 colours x 4 pixels in and out) and residual down/up blocks.
+    patched = factor == WAN22_SPATIAL_FACTOR
     return AutoencoderKLWan(
         base_dim=8,
         z_dim=channels,
@@ -192,6 +214,11 @@ def _tiny_vae(family: str, channels: int) -> torch.nn.Module:
         temperal_downsample=[False, True, True],
         latents_mean=[0.0] * channels,
         latents_std=[1.0] * channels,
+        is_residual=patched,
+        patch_size=2 if patched else None,
+        in_channels=12 if patched else 3,
+        out_channels=12 if patched else 3,
+        scale_factor_spatial=factor,
     )
 
 
@@ -218,19 +245,23 @@ def build_vae(
     seed: int = 0,
     *,
     latent_channels: Optional[int] = None,
+    spatial_factor: Optional[int] = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     batch_size: Optional[int] = None,
 ) -> LatentDecoder:
-    """A :class:`LatentDecoder`: ``tiny`` (random, ``latent_channels`` wide, fixed by ``seed``, global RNG
-    untouched) or ``diffusers`` (weights from ``path``, a VAE folder or a pipeline folder with ``vae/``)."""
+    """A :class:`LatentDecoder`: ``tiny`` (random, ``latent_channels`` wide, compressing ``spatial_factor``x
+    (None: the family's VAE for those channels), fixed by ``seed``, global RNG untouched) or ``diffusers``
+    (weights from ``path``, a VAE folder or a pipeline folder with ``vae/``). A VAE whose channels or spatial
+    factor differ from the given ones is a :class:`UserError`."""
     _check_family(family)
     if kind == "tiny":
         if latent_channels is None or latent_channels < 1:
             raise ValueError("a tiny VAE needs latent_channels >= 1 (the policy's latent channels)")
+        factor = spatial_factor or vae_factors.spatial_factor(family, {"in_channels": latent_channels})
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            vae = _tiny_vae(family, latent_channels)
+            vae = _tiny_vae(family, latent_channels, factor)
     elif kind == "diffusers":
         if path is None:
             raise UserError("model.vae=diffusers needs model.vae_path")
@@ -250,4 +281,6 @@ def build_vae(
     decoder = LatentDecoder(vae.to(device=device), family, batch_size=batch_size)
     if latent_channels is not None and decoder.latent_channels != latent_channels:
         raise UserError(f"VAE has {decoder.latent_channels} latent channels, the policy samples {latent_channels}")
+    if spatial_factor is not None and decoder.spatial_factor != spatial_factor:
+        raise UserError(f"VAE compresses {decoder.spatial_factor}x spatially, the policy expects {spatial_factor}x")
     return decoder

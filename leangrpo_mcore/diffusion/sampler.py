@@ -3,9 +3,11 @@
 The schedule decides, per step, whether the forward runs with gradients (``grad_steps``); the sampler
 hands every step to an ``on_step`` callback as a :class:`StepRecord`, whose ``sde`` carries the graph of
 that step when gradients were on (Retain keeps it, Reweight backpropagates it at once, Native never asks
-for one). The latent is detached between steps, so no gradient flows along the trajectory
-(docs/algorithms.md §6), and every stored tensor is float32 (§7): the update evaluates log p at exactly the
-x_{t+1} drawn here.
+for one). With ``per_sample_grad`` (Reweight) a step with gradients runs each trained sample's forward alone
+(batch 1) and hands it over before the next one starts, so one sample's graph is alive at a time; the noise
+is seeded per sample, so the trajectory is the batched one up to the float rounding of batch 1 against batch
+B. The latent is detached between steps, so no gradient flows along the trajectory (docs/algorithms.md §6),
+and every stored tensor is float32 (§7): the update evaluates log p at exactly the x_{t+1} drawn here.
 
 Under context parallelism (``split``) every latent of the loop is this rank's piece of the sample
 (:mod:`leangrpo_mcore.parallel.sequence`): the initial noise and each step's SDE noise are drawn for the whole
@@ -82,7 +84,11 @@ class StepRecord:
     train: torch.Tensor
     """(B,) bool: the samples that train this step."""
     grad: bool
-    """Whether this step's forward ran with gradients."""
+    """Whether ``sde`` carries the graph of this record's rows."""
+    row: int | None = None
+    """The micro-batch row of a per-sample forward (every tensor is then that row's (1, ...) slice); None: the
+    whole micro-batch. A per-sample step hands over each trained row, then the step's record with ``grad``
+    False (its graphs were handed over already)."""
 
 
 StepCallback = Callable[[StepRecord], None]
@@ -150,6 +156,38 @@ def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, 
                    log_prob=torch.where(sde_rows, out.log_prob, zero), mean=out.mean, std=out.std)
 
 
+def _advance(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+             sde_rows: torch.Tensor, sde: SDEParams, generators: list[torch.Generator],
+             split: LatentPieces | None) -> tuple[SDEStep | None, torch.Tensor, torch.Tensor]:
+    """(SDE step or None, detached x_{t+1}, detached (B,) log-prob) of one forward's rows."""
+    out = _denoise_step(velocity, x, sigma, sigma_next, sde_rows, sde, generators, split)
+    if out is None:
+        return None, ode_step(velocity.detach(), x, sigma, sigma_next), torch.zeros(x.shape[0], device=x.device)
+    return out, out.prev_sample.detach(), out.log_prob.detach()
+
+
+def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                     conditioning: Conditioning, train: torch.Tensor, sde_rows: torch.Tensor, sde: SDEParams,
+                     generators: list[torch.Generator], split: LatentPieces | None,
+                     forward_context: Callable[[bool], ContextManager],
+                     hand_over: Callable[[int, SDEStep | None, torch.Tensor], None],
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step whose trained rows each run a grad-enabled forward of batch 1, handed to ``hand_over(row, sde,
+    x_{t+1})`` and freed before the next row's forward; the other rows share one no-grad forward."""
+    prev, log_prob = torch.empty_like(x), torch.zeros(x.shape[0], device=x.device)
+    trained = train.nonzero().flatten().tolist()
+    rest = [r for r in range(x.shape[0]) if r not in trained]
+    for rows, grad in ([(rest, False)] if rest else []) + [([r], True) for r in trained]:
+        with torch.set_grad_enabled(grad), forward_context(grad):
+            velocity = velocity_fn(x[rows], sigma[rows], conditioning.select(rows))
+            out, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
+                                                       sde_rows[rows], sde, [generators[r] for r in rows], split)
+        if grad:
+            hand_over(rows[0], out, prev[rows])
+        del velocity, out
+    return prev, log_prob
+
+
 def rollout(
     velocity_fn: VelocityFn,
     init_latents: torch.Tensor,
@@ -166,6 +204,7 @@ def rollout(
     on_step: StepCallback | None = None,
     forward_context: Callable[[bool], ContextManager] | None = None,
     split: LatentPieces | None = None,
+    per_sample_grad: bool = False,
 ) -> Trajectory:
     """Sample B trajectories from ``init_latents`` (B, *shape) along ``sigmas`` ((T+1,) or (B, T+1)).
 
@@ -176,7 +215,8 @@ def rollout(
     for every sample (default: none, a pure no-grad rollout); the
     callback then receives the step's graph. ``forward_context(grad)`` is entered around each forward
     (e.g. FP8 scaling state; see :mod:`leangrpo_mcore.parallel.precision`). With ``split`` the latents of the
-    trajectory are this rank's pieces (module doc). Returns the float32 :class:`Trajectory` (detached).
+    trajectory are this rank's pieces (module doc). ``per_sample_grad`` runs the trained rows of a step with
+    gradients one at a time (:attr:`StepRecord.row`). Returns the float32 :class:`Trajectory` (detached).
     """
     batch, steps = init_latents.shape[0], noise_seeds.shape[1]
     grad_steps = _grad_mask(grad_steps, selected)
@@ -193,22 +233,32 @@ def rollout(
     xs, next_xs, log_probs = [], [], []
     for t in range(steps):
         sigma, sigma_next = batch_sigmas[:, t], batch_sigmas[:, t + 1]
-        grad = bool(grad_steps[:, t].any())
-        with torch.set_grad_enabled(grad), forward_context(grad):
-            velocity = velocity_fn(x, sigma, conditioning)
-            out = _denoise_step(velocity, x, sigma, sigma_next, sde_steps[:, t], sde,
-                                step_generators(noise_seeds, t), split)
-        if out is None:
-            prev, log_prob = ode_step(velocity.detach(), x, sigma, sigma_next), torch.zeros(batch, device=x.device)
+        grad, train = bool(grad_steps[:, t].any()), selected[:, t] & grad_steps[:, t]
+        generators = step_generators(noise_seeds, t)
+        out = None
+        if grad and per_sample_grad:
+            def hand_over(row: int, row_sde: SDEStep | None, row_prev: torch.Tensor) -> None:
+                if on_step is not None:
+                    on_step(StepRecord(t=t, latents=x[[row]], next_latents=row_prev, sigma=sigma[[row]],
+                                       sigma_next=sigma_next[[row]], sde=row_sde, train=train[[row]], grad=True,
+                                       row=row))
+
+            prev, log_prob = _per_sample_step(velocity_fn, x, sigma, sigma_next, conditioning, train,
+                                              sde_steps[:, t], sde, generators, split, forward_context, hand_over)
+            grad = False  # the step's own record below carries no graph: each row's came before it
         else:
-            prev, log_prob = out.prev_sample.detach(), out.log_prob.detach()
+            with torch.set_grad_enabled(grad), forward_context(grad):
+                velocity = velocity_fn(x, sigma, conditioning)
+                out, prev, log_prob = _advance(velocity, x, sigma, sigma_next, sde_steps[:, t], sde, generators,
+                                               split)
+            del velocity
         xs.append(x)
         next_xs.append(prev)
         log_probs.append(log_prob.to(torch.float32))
         if on_step is not None:
             on_step(StepRecord(t=t, latents=x, next_latents=prev, sigma=sigma, sigma_next=sigma_next, sde=out,
-                               train=selected[:, t] & grad_steps[:, t], grad=grad))
-        del velocity, out
+                               train=train, grad=grad))
+        del out
         x = prev
     return Trajectory(
         latents=torch.stack(xs, dim=1), next_latents=torch.stack(next_xs, dim=1),

@@ -28,6 +28,7 @@ from leangrpo_mcore.engine.launch import DistContext
 from leangrpo_mcore.engine.optim import build_lr_scheduler, build_optimizer, trainable_parameters
 from leangrpo_mcore.engine.step import RewardFn, StepEngine, StepPlan
 from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.vae_factors import spatial_factor
 from leangrpo_mcore.models import LoRAConfig, apply_lora, get_family
 from leangrpo_mcore.models import mark_only_lora_trainable, resolve_model_config
 from leangrpo_mcore.models.common import checkpoint as ckpt
@@ -241,8 +242,10 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
     negative = s.negative_prompt if s.cfg_scale > 1.0 else None
     text = build_text_encoder(m, fam, dims, negative_prompt=negative, guidance=guidance, seed=m.seed,
                               device=device)
-    channels = latent_channels(family, diffusers_config)
-    decoder = build_vae(m.vae, fam, m.vae_path, seed=m.seed, latent_channels=channels, device=device)
+    channels, factor = latent_channels(family, diffusers_config), spatial_factor(fam, diffusers_config)
+    latent_shape(fam, s.height, s.width, s.frames, channels, spatial_factor=factor)  # before any weights load
+    decoder = build_vae(m.vae, fam, m.vae_path, seed=m.seed, latent_channels=channels, spatial_factor=factor,
+                        device=device)
     return DataParts(dataset, sampler, text, decoder, _reward(config))
 
 
@@ -257,13 +260,14 @@ def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: Parall
     """Sigma schedule, velocity function and the step engine of the configured schedule."""
     s, fam = config.sampler, parts.family.name
     hyper = parts.policy.config.to_diffusers_config()
-    shape = latent_shape(fam, s.height, s.width, s.frames, latent_channels(parts.family, hyper))
+    factor, channels = spatial_factor(fam, hyper), latent_channels(parts.family, hyper)
+    shape = latent_shape(fam, s.height, s.width, s.frames, channels, spatial_factor=factor)
     if s.sigma_schedule == "flux":
         sigmas = get_sigmas("flux", s.num_steps, image_seq_len=shape[0])
     else:
         sigmas = get_sigmas(s.sigma_schedule, s.num_steps, shift=s.shift)
-    velocity = build_velocity_fn(fam, parts.policy, sigma_kind=s.sigma_schedule, latent_height=s.height // 8,
-                                 latent_width=s.width // 8, cfg_scale=s.cfg_scale)
+    velocity = build_velocity_fn(fam, parts.policy, sigma_kind=s.sigma_schedule, latent_height=s.height // factor,
+                                 latent_width=s.width // factor, cfg_scale=s.cfg_scale)
     plan = StepPlan.from_config(config, latent_shape=shape, sigmas=sigmas, schedule=schedule)
     precision = fp8_precision(parts.policy) if config.model.fp8 else null_precision
     return StepEngine(plan, policy=parts.policy, velocity_fn=velocity, ctx=pctx, optimizer=parts.optimizer,

@@ -4,7 +4,9 @@ A checkpoint ``OUTPUT_DIR/checkpoints/step_<N>/`` holds::
 
     dcp/                  torch.distributed.checkpoint files: every rank's shards of the model
                           (``model/<name>``), optimizer state (``optim/<name>/<key>``) and EMA (``ema/<name>``),
-                          each stored as boxes of the FULL tensor
+                          each stored as boxes of the FULL tensor; modules' extra state (Transformer Engine's
+                          FP8 metadata) per TP rank (``extra/<module>._extra_state/tp_<r>``, see
+                          :mod:`~leangrpo_mcore.engine.extra_state`)
     leangrpo_model.json   the policy's family, hyper-parameters and LoRA record (``leangrpo-convert`` and
                           ``model.path`` read the weights from ``dcp/``)
     optimizer.json        parameter groups, non-tensor optimizer state, LR-schedule position
@@ -42,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.engine import ckpt_manifest as manifest
-from leangrpo_mcore.engine.launch import broadcast_object
+from leangrpo_mcore.engine import extra_state
+from leangrpo_mcore.engine.launch import broadcast_object, get_logger
 from leangrpo_mcore.engine.run_dir import STEP_DIR, RunDir
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models.common.checkpoint import DCP_DIR, CheckpointError, write_policy_checkpoint
@@ -57,7 +60,9 @@ STATE_FILE = "trainer_state.json"
 OPTIM_FILE = "optimizer.json"
 FORMAT = "leangrpo_mcore.train_checkpoint"
 VERSION = 3
-"""3: the policy's fused q/k/v and FLUX's single-block ``proj_out`` in their per-head layouts."""
+"""3: the policy's fused q/k/v and FLUX's single-block ``proj_out`` in their per-head layouts. Modules' extra
+state (``extra/`` keys) came later without a bump: its entries sit beside the others, so a version-3 checkpoint
+without them still loads (with a warning for modules that keep extra state) and older readers skip them."""
 _TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 TPLayout = dict[str, torch.Tensor]
@@ -135,6 +140,7 @@ def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scalars.setdefault(name, {})[key] = value
     for name, shadow in sorted((ema or {}).items()):
         state[f"ema/{name}"] = _blocks(shadow, layout[name])
+    state.update(extra_state.save_entries(model, tp_rank()))
     return state, scalars
 
 
@@ -159,6 +165,8 @@ def _staged(state: dict) -> dict:
         if isinstance(value, BlockTensor):
             out[key] = BlockTensor(value.shape, [Block(b.offsets, b.data.to("cpu", copy=True))
                                                  for b in value.blocks], value.dtype)
+        elif isinstance(value, bytes):  # a serialized extra state: immutable already
+            out[key] = value
         else:
             out[key] = value.to("cpu", copy=True)
     return out
@@ -566,9 +574,11 @@ def nonfinite_tensor(named: dict[str, torch.Tensor]) -> Optional[str]:
 
 
 def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
-                    ema: Optional[dict[str, torch.Tensor]], layout: TPLayout, same_layout: bool) -> dict:
-    """Collective: restore model, optimizer state, LR-schedule position, EMA and (when ``same_layout``) RNG
-    states; returns the trainer state. Optimizer hyper-parameters stay those of this run's config."""
+                    ema: Optional[dict[str, torch.Tensor]], layout: TPLayout, same_layout: bool,
+                    warn: Any = None) -> dict:
+    """Collective: restore model, optimizer state, modules' extra state, LR-schedule position, EMA and (when
+    ``same_layout``) RNG states; returns the trainer state. Optimizer hyper-parameters stay those of this run's
+    config. ``warn`` (rank 0; the project logger by default) reports extra state the checkpoint lacks."""
     import torch.distributed.checkpoint as dcp
 
     state = read_state(path)
@@ -580,6 +590,9 @@ def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim
     except CheckpointError as err:
         raise UserError(f"checkpoint {path}: {err}") from None
     targets, fresh = _load_targets(path, metadata, model, optimizer, ema, layout)
+    report = (warn or get_logger().warning) if _rank() == 0 else (lambda message: None)
+    extras = extra_state.load_targets(path, model, metadata.state_dict_metadata, tp_rank(), tp_world_size(), report)
+    targets.update(extras)
     try:
         with quiet_dcp():
             dcp.load(targets, storage_reader=dcp.FileSystemReader(str(folder)), planner=BlockLoadPlanner(),
@@ -587,6 +600,7 @@ def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim
     except Exception as err:  # noqa: BLE001 -- a damaged data file, reported in one line
         lines = str(err).strip().splitlines()
         raise UserError(f"cannot read checkpoint {folder}: {lines[-1] if lines else type(err).__name__}") from None
+    extra_state.restore(model, extras, path)
     names = _param_names(model)
     for p, entries in fresh.items():
         entries.update(record.get("scalars", {}).get(names[id(p)], {}))

@@ -452,7 +452,8 @@ class StepEngine:
                                grad_steps=None if schedule is None else schedule.grad_steps(draws.selected),
                                on_step=self._with_progress(None if schedule is None
                                                            else schedule.on_step(key, cond)),
-                               forward_context=self.precision, split=self.split)
+                               forward_context=self.precision, split=self.split,
+                               per_sample_grad=schedule is not None and schedule.per_sample_grad)
             trajectories.append(traj)
             if plan.async_scoring:
                 rewards.append(self._submit(traj.final_latents, prompt_ids))
@@ -505,6 +506,8 @@ class StepEngine:
         def tick(record) -> None:
             if on_step is not None:
                 on_step(record)
+            if record.row is not None:
+                return  # one sample of a per-sample step: the step's own record follows
             self._rolled += 1
             self.progress(self._rolled, total)
         return tick

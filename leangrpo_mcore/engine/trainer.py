@@ -323,7 +323,7 @@ class Trainer:
         p = self.parts
         self._log_changed_settings(path)
         state = checkpoint.load_checkpoint(path, model=p.policy, optimizer=p.optimizer, lr_scheduler=p.lr_scheduler,
-                                           ema=p.ema, layout=p.tp_layout, same_layout=same)
+                                           ema=p.ema, layout=p.tp_layout, same_layout=same, warn=self.log.warning)
         self.data.sampler.load_state_dict(state["sampler"])
         self.state.step = int(state["step"])
         self.state.nonfinite_streak = int(state.get("nonfinite_streak", 0))

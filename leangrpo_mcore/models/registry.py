@@ -19,6 +19,7 @@ from leangrpo_mcore.models.common.fp8 import fp8_config
 from leangrpo_mcore.models.common.assembly import _check as check_shapes, stored_shapes
 from leangrpo_mcore.models.common.materialize import (BoxReader, assembled_boxes, fill, init_rules, random_boxes,
                                                       source_boxes)
+from leangrpo_mcore.models.common.pipeline import PipelineStage
 from leangrpo_mcore.models.common.tp import full_shape
 from leangrpo_mcore.models.common.lora import LoRAConfig, apply_lora, lora_is_merged
 
@@ -34,7 +35,8 @@ class ModelFamily:
     config_cls: type
     """TransformerConfig subclass with from_diffusers_config / to_diffusers_config."""
     model_cls: type
-    """The policy module: ``model_cls(config, *, backend="auto")``."""
+    """The policy module: ``model_cls(config, *, backend="auto", stage=None)`` (``stage``: one pipeline stage,
+    :class:`~leangrpo_mcore.models.common.pipeline.PipelineStage`; None: the whole model)."""
     diffusers_class_name: str
     """diffusers' ``_class_name`` in config.json (e.g. "FluxTransformer2DModel")."""
     diffusers_to_mcore: Callable[[dict, Any], dict]
@@ -170,12 +172,14 @@ def read_policy_files(path: Union[str, os.PathLike]) -> PolicyFiles:
 
 
 def meta_policy(family: ModelFamily, config: Any, backend: str, dtype: torch.dtype,
-                lora: Optional[LoRAConfig] = None) -> torch.nn.Module:
-    """The policy built on the ``meta`` device (no memory), with ``lora`` adapters attached."""
+                lora: Optional[LoRAConfig] = None, stage: Optional[PipelineStage] = None) -> torch.nn.Module:
+    """The policy (or its pipeline ``stage``) built on the ``meta`` device (no memory), with ``lora`` adapters
+    attached."""
     with torch.device("meta"):
-        model = _instantiate(family, config, backend, dtype)
+        model = _instantiate(family, config, backend, dtype, stage)
         if lora is not None:
-            apply_lora(model, lora)
+            # A stage may hold none of a target's modules; the whole model holds them all.
+            apply_lora(model, lora, require_match=stage is None or stage.is_whole)
     return model
 
 
@@ -222,28 +226,30 @@ def materialize(model: torch.nn.Module, device: Union[str, torch.device], *, see
 
 
 def build_policy(model_config: Union[str, Mapping, Any], *, seed: int = 0, backend: str = "auto",
-                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A randomly initialised policy; identical weights at every TP size for the same ``seed``."""
+                 dtype: torch.dtype = torch.float32, stage: Optional[PipelineStage] = None) -> torch.nn.Module:
+    """A randomly initialised policy; identical weights at every TP size for the same ``seed``. A pipeline
+    ``stage`` holds the same values as the whole model under the same names (each is drawn from its name)."""
     family, config = resolve_model_config(model_config)
-    return materialize(meta_policy(family, config, backend, dtype), "cpu", seed=seed)
+    return materialize(meta_policy(family, config, backend, dtype, stage=stage), "cpu", seed=seed)
 
 
-def _instantiate(family: ModelFamily, config: Any, backend: str, dtype: torch.dtype) -> torch.nn.Module:
+def _instantiate(family: ModelFamily, config: Any, backend: str, dtype: torch.dtype,
+                 stage: Optional[PipelineStage] = None) -> torch.nn.Module:
     # Parameters are filled afterwards (seeded init or a checkpoint): skip megatron's own init.
     config = dataclasses.replace(config, params_dtype=dtype, perform_initialization=False)
-    return family.model_cls(config, backend=backend)
+    return family.model_cls(config, backend=backend, stage=stage)
 
 
-def load_policy(path: Union[str, os.PathLike], *, backend: str = "auto",
-                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_policy(path: Union[str, os.PathLike], *, backend: str = "auto", dtype: torch.dtype = torch.float32,
+                stage: Optional[PipelineStage] = None) -> torch.nn.Module:
     """Load a diffusers transformer directory or one of our checkpoints, resharded to this TP size, reading
-    only this rank's slices.
+    only this rank's slices; with a pipeline ``stage``, only that stage's parameters (a subset of the names).
 
     Run-time switches are not part of the checkpoint: set ``model.config.activation_checkpointing``
     after loading (the forward reads it on every call).
     """
     files = read_policy_files(path)
-    model = meta_policy(files.family, files.config, backend, dtype, files.lora)
+    model = meta_policy(files.family, files.config, backend, dtype, files.lora, stage)
     missing = sorted({name for name, _ in model.named_parameters()} - set(files.names))
     if missing:
         raise ckpt.CheckpointError(f"checkpoint {path} does not match the model: {len(missing)} missing (e.g. "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.vae_factors import FLUX_SPATIAL_FACTOR, spatial_factor
 
 FLUX_CLASS = "FluxTransformer2DModel"
 WAN_CLASS = "WanTransformer3DModel"
@@ -282,7 +283,7 @@ def flux_spec(config: dict, name: str = "flux") -> ArchSpec:
     )
     return ArchSpec(family="flux", name=name, config=dict(c), hidden_size=d, num_heads=heads, head_dim=head_dim,
                     latent_channels=in_ch // 4, spatial_stride=16 * p, temporal_stride=1, temporal_patch=1,
-                    vae_stride=8, root=tuple(root), root_norm_params=0, blocks=blocks)
+                    vae_stride=FLUX_SPATIAL_FACTOR, root=tuple(root), root_norm_params=0, blocks=blocks)
 
 
 def wan_spec(config: dict, name: str = "wan") -> ArchSpec:
@@ -299,7 +300,7 @@ def wan_spec(config: dict, name: str = "wan") -> ArchSpec:
     if ph != pw:
         raise UserError(f"{name}: the planner needs a square spatial patch, got {c['patch_size']}")
     in_ch, out_ch = int(c["in_channels"]), int(c["out_channels"] or c["in_channels"])
-    vae_s = int(c.get("vae_scale_factor_spatial") or (16 if in_ch == 48 else 8))
+    vae_s = spatial_factor("wan", c)
     vae_t = int(c.get("vae_scale_factor_temporal") or 4)
     volume = pt * ph * pw
     root = (_lin("patch_embedding", in_ch * volume, d, "image"),

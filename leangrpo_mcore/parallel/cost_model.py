@@ -252,9 +252,8 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
         work.arch, work.lora_rank, work.lora_targets, layout.tp)
     forwards = work.num_steps + steps * ((1 if schedule == "native" else 0) + extra + (1 if kl else 0))
     backwards = steps * (1 + extra + (1 if kl and schedule == "reweight" else 0))  # Reweight: 2nd KL backward
-    # Reweight backpropagates each sample row of a batched graph on its own: B backwards of the whole batch,
-    # so a micro-batch of B costs B times the per-sample backward work.
-    row_backward = shape.micro_batch if schedule == "reweight" else 1
+    # Reweight runs each trained sample's forward and backward alone (batch 1) whatever the micro-batch B: B
+    # per-sample forwards and backwards, the work charged per sample below (no B backwards of a batched graph).
     params = params_per_rank(work.arch, layout.tp) * work.precision.compute_bytes
     gather = (layout.dp_shard - 1) / layout.dp_shard * params / (hw.intra_node_gbps * 1e9)
     gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
@@ -270,7 +269,7 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
         "rollout": n * work.num_steps * rates.forward,
         "recompute": n * steps * rates.forward * ((1 if schedule == "native" else 0) + extra),
         "reference_forward": n * steps * rates.forward if kl else 0.0,
-        "backward": n * backwards * rates.backward * row_backward,
+        "backward": n * backwards * rates.backward,
         "fsdp_all_gather": gathers * gather,
         "tp_all_reduce": n * (forwards + backwards) * rates.tp_per_pass,
         "grad_sync": _sync_count(work, shape, schedule) * _sync_seconds(work, hw, layout, trainable),

@@ -236,6 +236,9 @@ class Schedule:
     name = "base"
     recompute_free = False
     """Whether selected steps train from the rollout's own forwards (no recompute)."""
+    per_sample_grad = False
+    """Whether the rollout runs each trained sample's grad-enabled forward alone (batch 1), handing
+    :meth:`on_step` one row at a time (``StepRecord.row``)."""
 
     def __init__(self, context: ScheduleContext) -> None:
         self.ctx = context

@@ -2,7 +2,8 @@
 
 Each selected step runs with gradients and is backpropagated at once, with advantage 1 and gradient
 synchronisation off, into the sample's *provisional gradient* P_i = Σ_t ∇(−w·log p_{i,t}) (kept in the
-local unsharded slot and moved out without copying). When the advantages are known each P_i is scaled by
+local unsharded slot and moved out without copying); in micro-batches of B > 1 each trained sample's forward runs
+alone, so each backward is of one sample's graph. When the advantages are known each P_i is scaled by
 its A_i **before any cross-sample reduction**, the scaled sum is reduced with one coalesced
 reduce-scatter per group, and accumulated into the sharded gradients: correction → sync → accumulation.
 At ρ ≡ 1 this is the Native gradient (−A·∇log p), exactly up to float rounding.
@@ -109,6 +110,10 @@ class ReweightSchedule(Schedule):
     """Immediate unit-advantage backward into per-sample provisional gradients, rescaled by A_i."""
 
     recompute_free = True
+    # A sample's provisional gradient needs a backward of its own: backpropagating each row of a batched graph
+    # would cost B backwards of the whole micro-batch, so each trained sample runs a forward of batch 1
+    # (docs/algorithms.md §6, Reweight).
+    per_sample_grad = True
 
     def __init__(self, context: ScheduleContext, *, plan: ReweightPlan = ReweightPlan("per_sample", False)) -> None:
         super().__init__(context)
@@ -162,15 +167,17 @@ class ReweightSchedule(Schedule):
         self.stats.max_local_grad_buffers = max(self.stats.max_local_grad_buffers, live)
 
     def on_step(self, key: UnitKey, conditioning: Conditioning) -> Callable[[StepRecord], None]:
-        """Backpropagate each trained step of micro-batch ``key`` at once, one provisional gradient per sample."""
+        """Backpropagate each trained step of micro-batch ``key`` at once, one provisional gradient per sample
+        (a record of one sample, :attr:`StepRecord.row`, or of the whole micro-batch)."""
         objective = self.ctx.objective
 
         def backward_now(record: StepRecord) -> None:
             if not record.grad or not bool(record.train.any()):
                 return
             log_prob, train = record.sde.log_prob, record.train
+            cond = conditioning if record.row is None else conditioning.select([record.row])
             kl = self.step_kl(record.sde.mean, record.sde.std, record.latents, record.next_latents,
-                              record.sigma, record.sigma_next, conditioning)
+                              record.sigma, record.sigma_next, cond)
             if kl is not None:
                 kl_part = kl_unit_loss(kl, train, self.weight, objective)
                 group = self._kl_group(key[0])
@@ -182,7 +189,7 @@ class ReweightSchedule(Schedule):
                 only = torch.zeros_like(train)
                 only[row] = True
                 loss, ratio = unit_loss(log_prob, log_prob.detach(), ones, only, self.weight, objective)
-                sample = (*key, row)
+                sample = (*key, row if record.row is None else record.row)
                 self._partial[sample] = self._backward_into(self._partial.get(sample), loss, n < len(rows) - 1)
                 self._unit_loss[sample] = self._unit_loss.get(sample, 0.0) + loss.detach()
                 self.stats.add(ratio)

@@ -64,6 +64,31 @@ def test_rollout_records_and_graphs_only_where_asked():
     assert flags == [False, True, False, True]
 
 
+def test_per_sample_grad_runs_each_trained_row_alone_and_keeps_the_trajectory():
+    model, gens = RowWise(), [0, 1, 2]
+    draws = _inputs(gens, fraction=0.5)  # steps 0 and 1 trained by every row
+    calls = []
+    counted = lambda x, s, c: calls.append((x.shape[0], torch.is_grad_enabled())) or model(x, s, c)
+    records = []
+    traj = _roll(counted, draws, gens, grad_steps=draws.selected, on_step=records.append, per_sample_grad=True)
+    batched = _roll(model, draws, gens, grad_steps=draws.selected)
+    assert torch.equal(traj.next_latents, batched.next_latents) and torch.equal(traj.log_probs, batched.log_probs)
+    assert calls == [(1, True)] * 3 + [(1, True)] * 3 + [(3, False)] * 2  # batch-1 grad forwards at trained steps
+    assert [(r.t, r.row, r.grad) for r in records] == [
+        (0, 0, True), (0, 1, True), (0, 2, True), (0, None, False),
+        (1, 0, True), (1, 1, True), (1, 2, True), (1, None, False), (2, None, False), (3, None, False)]
+    for r in records[:3]:
+        assert r.latents.shape == (1, 3, 4) and r.sde.log_prob.shape == (1,) and r.sde.log_prob.requires_grad
+        assert torch.equal(r.next_latents[0], traj.next_latents[r.row, 0])
+        assert torch.equal(r.sde.log_prob.detach()[0], traj.log_probs[r.row, 0])
+    # a row that does not train at the step shares one no-grad forward with the others like it
+    calls.clear()
+    mask = draws.selected.clone()
+    mask[1] = False
+    _roll(counted, draws, gens, grad_steps=mask, per_sample_grad=True)
+    assert calls[:3] == [(1, False), (1, True), (1, True)]
+
+
 def test_micro_batches_draw_the_same_trajectories():
     model = RowWise()
     whole = _roll(model, _inputs([0, 1, 2, 3]), [0, 1, 2, 3])

@@ -1,7 +1,9 @@
 """Native / Retain / Reweight gradient parity on tiny FLUX and Wan policies (world size 1, fp32, CPU).
 
 Retain must be bitwise equal to Native (gradients of every update and parameters after the SGD steps),
-Reweight within 1e-6 relative L2; all three must draw the same trajectories and rewards. The helpers here
+Reweight within 1e-6 relative L2; all three must draw the same trajectories and rewards (bitwise; with
+micro-batches of B > 1 Reweight's trained steps run per-sample forwards of batch 1, whose float rounding differs
+from a batch of B, so there its trajectory is the same up to rounding). The helpers here
 (:class:`Case`, :func:`run_case`) are shared with the distributed tests.
 """
 
@@ -191,11 +193,17 @@ def bitwise(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def check_parity(native: Outcome, retain: Outcome, reweight: Outcome) -> None:
-    """The schedule-equivalence assertions for one configuration."""
-    assert np.array_equal(native.rewards, retain.rewards) and np.array_equal(native.rewards, reweight.rewards)
+def check_parity(native: Outcome, retain: Outcome, reweight: Outcome, *, per_sample: bool = False) -> None:
+    """The schedule-equivalence assertions for one configuration (``per_sample``: Reweight's trained steps ran
+    per-sample forwards in micro-batches of B > 1, so its rollout equals Native's up to float rounding)."""
+    assert np.array_equal(native.rewards, retain.rewards)
     assert np.array_equal(native.trajectory, retain.trajectory)
-    assert np.array_equal(native.trajectory, reweight.trajectory)
+    if per_sample:
+        np.testing.assert_allclose(reweight.rewards, native.rewards, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(reweight.trajectory, native.trajectory, rtol=1e-5, atol=1e-5)
+    else:
+        assert np.array_equal(native.rewards, reweight.rewards)
+        assert np.array_equal(native.trajectory, reweight.trajectory)
     assert len(native.grads) == len(retain.grads) == len(reweight.grads)
     for n, r, w in zip(native.grads, retain.grads, reweight.grads):
         assert max(float(np.abs(g).max()) for g in n) > 0
@@ -245,7 +253,7 @@ def test_flux_lora_kl_global_std_sde_window_micro_batch():
     case = Case(family="flux", lora=True, kl_beta=50.0, selection="sde_window", window=2, fraction=1.0,
                 global_std=True, micro_batch=2)
     native, retain, reweight = run_three(case)
-    check_parity(native, retain, reweight)
+    check_parity(native, retain, reweight, per_sample=True)
     affine = run_case(case.but(schedule="reweight", accumulate="affine"))
     assert rel_l2(native.grads[0], affine.grads[0]) < 1e-6
 
@@ -263,5 +271,27 @@ def test_flux_group_clamp_falls_back_to_per_sample():
     native, retain, reweight = run_three(case)
     centred = native.rewards - native.rewards.mean(axis=1, keepdims=True)
     assert (np.abs(centred) / (native.rewards.std(axis=1, keepdims=True) + 1e-4)).max() > 0.9  # the clamp fires
-    check_parity(native, retain, reweight)
+    check_parity(native, retain, reweight, per_sample=True)
     assert reweight.buffers == 4  # the affine plan fell back: one buffer per sample of the group
+
+
+@pytest.mark.parametrize("micro_batch", [2, 4])
+def test_reweight_micro_batches_train_every_sample_of_the_per_sample_forwards(micro_batch):
+    """Wan with two-branch CFG and the KL term: each sample's forward runs alone with its own conditioning."""
+    case = Case(family="wan", lora=True, kl_beta=20.0, micro_batch=micro_batch, prompts=1)
+    native, retain, reweight = run_three(case)
+    check_parity(native, retain, reweight, per_sample=True)
+    assert reweight.buffers == 5  # one provisional gradient per sample, whatever the micro-batch, + the KL one
+    single = run_case(case.but(schedule="reweight", micro_batch=1))
+    assert rel_l2(single.grads[0], reweight.grads[0]) < 1e-6
+
+
+def test_only_reweight_asks_the_rollout_for_per_sample_forwards(monkeypatch):
+    import leangrpo_mcore.engine.step as step
+
+    asked, real = [], step.rollout
+    monkeypatch.setattr(step, "rollout", lambda *a, **k: asked.append(k["per_sample_grad"]) or real(*a, **k))
+    for schedule in ("native", "retain", "reweight"):
+        asked.clear()
+        run_case(Case(family="flux", micro_batch=2, prompts=1, schedule=schedule))
+        assert asked == [schedule == "reweight"] * 2  # two micro-batches of the group of 4

@@ -106,3 +106,44 @@ def test_tiny_wan_and_loader_errors(tmp_path):
         build_vae("random", "flux", latent_channels=4)
     with pytest.raises(ValueError, match="expects 4-channel latents"):
         wan.decode(torch.zeros(1, 8, 1, 4, 4))
+
+
+def test_wan22_latent_shape_uses_its_16x_vae():
+    assert latent_shape("wan", 704, 1280, 49, 48) == (48, 13, 44, 80)
+    assert latent_shape("wan", 704, 1280, 49, 16) == (16, 13, 88, 160)  # Wan2.1's VAE: 8x
+    assert latent_shape("wan", 704, 1280, 49, 48, spatial_factor=8) == (48, 13, 88, 160)
+    with pytest.raises(UserError, match="multiples of 32 .* got 720x1280"):
+        latent_shape("wan", 720, 1280, 49, 48)
+    assert latent_shape("wan", 720, 1280, 49, 16) == (16, 13, 90, 160)
+
+
+def test_wan22_vaes_decode_a_16x_grid_to_the_requested_size(tmp_path):
+    from diffusers import AutoencoderKLWan
+
+    tiny = build_vae("tiny", "wan", latent_channels=48)
+    assert tiny.spatial_factor == 16 and build_vae("tiny", "wan", latent_channels=16).spatial_factor == 8
+    latents = torch.randn(1, *latent_shape("wan", 64, 96, 5, 48), generator=torch.Generator().manual_seed(0))
+    assert latents.shape == (1, 48, 2, 4, 6)
+    decoded = tiny.decode(latents)
+    assert decoded.video.shape == (1, 3, 5, 64, 96) and decoded.images.shape == (1, 3, 64, 96)
+    assert tiny.encode(decoded.video).shape == latents.shape
+    # A diffusers VAE reports its factor from its architecture: 2x2 pixel patch + three down-samplings.
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=8, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=1, is_residual=True, patch_size=2,
+                     in_channels=12, out_channels=12, latents_mean=[0.0] * 48,
+                     latents_std=[1.0] * 48).save_pretrained(str(tmp_path / "wan22_vae"))
+    loaded = build_vae("diffusers", "wan", tmp_path / "wan22_vae", latent_channels=48, spatial_factor=16)
+    assert loaded.spatial_factor == 16 and loaded.decode(latents).video.shape == (1, 3, 5, 64, 96)
+    AutoencoderKLWan(base_dim=8, z_dim=48, dim_mult=[1, 2, 2, 2], num_res_blocks=1, latents_mean=[0.0] * 48,
+                     latents_std=[1.0] * 48).save_pretrained(str(tmp_path / "wan21_layout"))
+    with pytest.raises(UserError, match="VAE compresses 8x spatially, the policy expects 16x"):
+        build_vae("diffusers", "wan", tmp_path / "wan21_layout", latent_channels=48, spatial_factor=16)
+    with pytest.raises(ValueError, match="compresses 8 or 16x, not 4x"):
+        build_vae("tiny", "wan", latent_channels=48, spatial_factor=4)
+
+
+def test_flux_decoder_unpacks_with_its_own_factor():
+    vae = build_vae("tiny", "flux", latent_channels=4)
+    assert vae.spatial_factor == 8
+    latents = torch.randn(1, *latent_shape("flux", 32, 64, 1, 4), generator=torch.Generator().manual_seed(0))
+    assert vae.decode(latents, height=32, width=64).images.shape == (1, 3, 32, 64)

@@ -12,11 +12,15 @@ in common (data-parallel replicas, TP-replicated weights), and on load intersect
 with the stored ones. That is what makes a checkpoint load at any world size, FSDP2 degree and TP degree.
 
 The boxes are views of the rank's own storage: saving reads them, loading writes into them in place.
+
+Opaque values (a module's serialized extra state, see :mod:`leangrpo_mcore.engine.extra_state`) travel as
+``bytes`` on save, written as they are, and are read back into a ``bytearray`` of the load state dict.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -113,6 +117,12 @@ class BlockSavePlanner(DefaultSavePlanner):
         found = _lookup(self.state_dict, index)
         return super().lookup_object(index) if found is None else found
 
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        """``bytes`` are written raw (DCP would pickle them), so that loading them unpickles nothing."""
+        if write_item.type == WriteItemType.BYTE_IO and isinstance(object, bytes):
+            return io.BytesIO(object)
+        return super().transform_object(write_item, object)
+
 
 class BlockLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, aware of :class:`BlockTensor` values (loaded in place).
@@ -123,8 +133,17 @@ class BlockLoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
         blocks = {k: v for k, v in state_dict.items() if isinstance(v, BlockTensor)}
+        self.byte_targets = {k: v for k, v in state_dict.items() if isinstance(v, bytearray)}
         super().set_up_planner({k: v for k, v in state_dict.items() if k not in blocks}, metadata, is_coordinator)
         self.state_dict.update(blocks)
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        """Fill a ``bytearray`` target with the stored bytes as they are; other values as DCP does."""
+        target = self.byte_targets.get(read_item.dest_index.fqn)
+        if target is None:
+            super().load_bytes(read_item, value)
+        else:
+            target[:] = value.read()
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)

@@ -190,11 +190,13 @@ def _slot_names(modules: dict[str, torch.nn.Module], fused: torch.nn.Module) -> 
 
 
 @torch.no_grad()
-def apply_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int = 0) -> list[str]:
+def apply_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int = 0,
+               require_match: bool = True) -> list[str]:
     """Attach adapters to the linears selected by ``config.targets``; return the adapted names.
 
     A is drawn TP-invariantly from ``seed`` (same values at every TP size), B is zero. The config is
-    recorded on ``model.lora_config`` (saved in checkpoints).
+    recorded on ``model.lora_config`` (saved in checkpoints). ``require_match=False`` lets a target match
+    nothing: a pipeline stage may hold none of its modules (single-stream blocks have no ``add_q_proj``).
     """
     if config.rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {config.rank}")
@@ -206,7 +208,7 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig, *, seed: int = 0) -> 
     selected: dict[str, torch.nn.Module] = {}
     for target in config.targets:
         hits = [n for n in modules if n and _matches(n, target)]
-        if not hits:
+        if not hits and require_match:
             raise ValueError(f"LoRA target {target!r} matches no module of {type(model).__name__}")
         for hit in hits:
             root = modules[hit]

@@ -1,4 +1,20 @@
-"""The FLUX.1 transformer (FluxTransformer2DModel architecture) on megatron-core layers."""
+"""The FLUX.1 transformer (FluxTransformer2DModel architecture) on megatron-core layers.
+
+Pipeline stages (``common.pipeline``) split the double-stream blocks followed by the single-stream blocks, one
+sequence of ``num_layers`` blocks. A boundary carries one tensor (B, 1 + S_txt + S_img, dim) in the model dtype:
+``[temb, text tokens, image tokens]``, the same at a boundary inside the double blocks (the two streams side by
+side), at the double/single boundary and inside the single blocks (the joint sequence itself), so that every
+boundary of a pipeline has one shape. The conditioning is split by what it costs:
+
+- temb (timestep + guidance + pooled text embedding) is sent: it is one token per sample (6 KiB in bf16 at
+  FLUX.1-dev, beside the 4608 tokens of a 1024 px image with 512 text tokens), while recomputing it would put
+  the three embedders (32.3M parameters, 65 MB in bf16) on every stage and make their gradients a sum over
+  stages;
+- the RoPE tables are recomputed on every stage from ``img_ids`` / ``txt_ids``: they have no parameters and cost
+  one outer product, while sending them would add 2 x (S_txt + S_img) x head_dim fp32 values per boundary.
+
+``docs/models.md`` (Pipeline stages) has the numbers for every preset.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +24,7 @@ from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
+from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, StageInputMixin, check_boundary
 from leangrpo_mcore.models.common.rope import multi_axis_rope_cos_sin
 from leangrpo_mcore.models.common.tp import full_shape
 from leangrpo_mcore.models.flux.config import LATENT_PACKING, VAE_SCALE_FACTOR, FluxConfig
@@ -40,30 +57,39 @@ class CombinedTimestepTextEmbedding(torch.nn.Module):
         return emb + self.text_embedder(pooled)
 
 
-class FluxTransformer(torch.nn.Module):
+class FluxTransformer(StageInputMixin, torch.nn.Module):
     """FLUX.1 velocity model; ``forward`` takes diffusers' FluxTransformer2DModel arguments.
 
     Knows nothing of RL, FSDP or schedules: it exposes :meth:`blocks` for per-block wrapping and its
-    sizes for planning.
+    sizes for planning. ``stage`` (default: the whole model) builds one pipeline stage: its blocks, the
+    embedders on the first stage, the output norm and projection on the last, under the whole model's names.
     """
 
-    def __init__(self, config: FluxConfig, *, backend: str = "auto") -> None:
+    def __init__(self, config: FluxConfig, *, backend: str = "auto", stage: PipelineStage | None = None) -> None:
         super().__init__()
         if not isinstance(config, FluxConfig):
             raise ValueError(f"FluxTransformer needs a FluxConfig, got {type(config).__name__}")
+        stage = PipelineStage.whole(config.num_layers) if stage is None else stage
+        if stage.total != config.num_layers:
+            raise ValueError(f"pipeline stage splits {stage.total} blocks, the FLUX model has {config.num_layers}")
         provider = get_backend(backend)
-        self.config, self.backend_name = config, provider.name
+        self.config, self.backend_name, self.stage = config, provider.name, stage
         dim = config.hidden_size
-        self.x_embedder = provider.replicated_linear(config.in_channels, dim, config=config)
-        self.context_embedder = provider.replicated_linear(config.joint_attention_dim, dim, config=config)
-        self.time_text_embed = CombinedTimestepTextEmbedding(config, backend=provider)
-        self.transformer_blocks = torch.nn.ModuleList(
-            [FluxDoubleBlock(config, backend=provider) for _ in range(config.num_double_layers)])
-        self.single_transformer_blocks = torch.nn.ModuleList(
-            [FluxSingleBlock(config, backend=provider) for _ in range(config.num_single_layers)])
-        self.norm_out = AdaLayerNormContinuous(dim, backend=provider, config=config)
-        out = config.patch_size * config.patch_size * config.output_channels
-        self.proj_out = provider.replicated_linear(dim, out, config=config)
+        if stage.pre_process:
+            self.x_embedder = provider.replicated_linear(config.in_channels, dim, config=config)
+            self.context_embedder = provider.replicated_linear(config.joint_attention_dim, dim, config=config)
+            self.time_text_embed = CombinedTimestepTextEmbedding(config, backend=provider)
+        # Double-stream blocks, then single-stream ones, counted as one sequence of blocks by the stage.
+        double, single = config.num_double_layers, config.num_single_layers
+        owned_double, owned_single = stage.owned(0, double), stage.owned(double, single)
+        self.transformer_blocks = StageBlocks(
+            (FluxDoubleBlock(config, backend=provider) for _ in owned_double), first=owned_double.start)
+        self.single_transformer_blocks = StageBlocks(
+            (FluxSingleBlock(config, backend=provider) for _ in owned_single), first=owned_single.start)
+        if stage.post_process:
+            self.norm_out = AdaLayerNormContinuous(dim, backend=provider, config=config)
+            out = config.patch_size * config.patch_size * config.output_channels
+            self.proj_out = provider.replicated_linear(dim, out, config=config)
         if provider.name == "te":
             # TE allocates its layers on the GPU; bring the torch-native ones (norms, replicated) along.
             self.to(torch.cuda.current_device())
@@ -116,6 +142,36 @@ class FluxTransformer(torch.nn.Module):
         if not self.config.guidance_embeds and guidance is not None:
             raise ValueError("this FLUX model has no guidance embedding: guidance must be None")
 
+    def _sequence(self, hidden_states, encoder_hidden_states, img_ids, txt_ids):
+        """This rank's image and text tokens, their RoPE rows, and the CP shards (None without CP)."""
+        cos, sin = self._rope(img_ids, txt_ids)
+        if cp_group() is None:
+            return hidden_states, encoder_hidden_states, cos, sin, None, None
+        # Context parallelism: this rank keeps its piece of the text and of the image tokens; the joint
+        # sequence of every block is [its text, its image] (context_parallel's module doc).
+        txt_shards = SequenceShards.split(encoder_hidden_states.shape[1])
+        img_shards = SequenceShards.split(hidden_states.shape[1])
+        text_rows, img_rows = cos.split([txt_shards.total, img_shards.total])
+        cos = torch.cat([txt_shards.shard(text_rows, 0), img_shards.shard(img_rows, 0)])
+        text_rows, img_rows = sin.split([txt_shards.total, img_shards.total])
+        sin = torch.cat([txt_shards.shard(text_rows, 0), img_shards.shard(img_rows, 0)])
+        return (img_shards.shard(hidden_states, 1), txt_shards.shard(encoder_hidden_states, 1), cos, sin,
+                img_shards, txt_shards.joint(img_shards))
+
+    def _embed(self, tokens, text, pooled_projections, timestep, guidance):
+        """(temb (B, dim), text tokens, image tokens) at the model width: the first stage's embedders."""
+        x = self.x_embedder(tokens)
+        t = timestep.to(x.dtype) * TIMESTEP_SCALE
+        g = None if guidance is None else guidance.to(x.dtype) * TIMESTEP_SCALE
+        return self.time_text_embed(t, g, pooled_projections), self.context_embedder(text), x
+
+    def _received(self, text_len: int, image_len: int, batch: int):
+        """(temb, text tokens, image tokens) out of the previous stage's boundary tensor."""
+        received = self._take_stage_input(self.stage)
+        check_boundary(received, (batch, 1 + text_len + image_len, self.config.hidden_size), self.stage)
+        temb, context, x = received.split([1, text_len, image_len], dim=1)
+        return temb.squeeze(1), context, x
+
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor, timestep: torch.Tensor, img_ids: torch.Tensor,
                 txt_ids: torch.Tensor, guidance: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,27 +181,19 @@ class FluxTransformer(torch.nn.Module):
         ``img_ids`` (S_img, 3) and ``txt_ids`` (S_txt, 3) are RoPE positions. Under context parallelism the
         inputs and the output are whole on every CP rank, the blocks see this rank's tokens only, and the
         output's gradient is summed over the CP group (``gather_sequence``).
+
+        Pipeline stages take the same arguments. A stage other than the first reads its input from
+        :meth:`set_input_tensor` and uses the arguments only for positions and sizes; a stage other than the
+        last returns the boundary tensor (B, 1 + S_txt + S_img, dim), tokens of this CP rank:
+        ``[temb, text tokens, image tokens]`` (``docs/models.md``, Pipeline stages).
         """
         self._check_inputs(hidden_states, encoder_hidden_states, guidance)
-        cos, sin = self._rope(img_ids, txt_ids)
-        img_shards, joint_shards = None, None
-        if cp_group() is not None:
-            # Context parallelism: this rank keeps its piece of the text and of the image tokens; the joint
-            # sequence of every block is [its text, its image] (context_parallel's module doc).
-            txt_shards = SequenceShards.split(encoder_hidden_states.shape[1])
-            img_shards = SequenceShards.split(hidden_states.shape[1])
-            joint_shards = txt_shards.joint(img_shards)
-            hidden_states = img_shards.shard(hidden_states, 1)
-            encoder_hidden_states = txt_shards.shard(encoder_hidden_states, 1)
-            text_rows, img_rows = cos.split([txt_shards.total, img_shards.total])
-            cos = torch.cat([txt_shards.shard(text_rows, 0), img_shards.shard(img_rows, 0)])
-            text_rows, img_rows = sin.split([txt_shards.total, img_shards.total])
-            sin = torch.cat([txt_shards.shard(text_rows, 0), img_shards.shard(img_rows, 0)])
-        x = self.x_embedder(hidden_states)
-        t = timestep.to(x.dtype) * TIMESTEP_SCALE
-        g = None if guidance is None else guidance.to(x.dtype) * TIMESTEP_SCALE
-        temb = self.time_text_embed(t, g, pooled_projections)
-        context = self.context_embedder(encoder_hidden_states)
+        tokens, text, cos, sin, img_shards, joint_shards = self._sequence(hidden_states, encoder_hidden_states,
+                                                                          img_ids, txt_ids)
+        if self.stage.pre_process:
+            temb, context, x = self._embed(tokens, text, pooled_projections, timestep, guidance)
+        else:
+            temb, context, x = self._received(text.shape[1], tokens.shape[1], tokens.shape[0])
         checkpointing, fp8 = self.config.activation_checkpointing, bool(self.config.fp8)
         for block in self.transformer_blocks:
             x, context = maybe_checkpoint(block, x, context, temb, cos, sin, joint_shards, enabled=checkpointing,
@@ -155,5 +203,8 @@ class FluxTransformer(torch.nn.Module):
         joint = torch.cat([context, x], dim=1)
         for block in self.single_transformer_blocks:
             joint = maybe_checkpoint(block, joint, temb, cos, sin, joint_shards, enabled=checkpointing, fp8=fp8)
+        if not self.stage.post_process:
+            # temb rides as one extra token in the model dtype: a single boundary tensor (see the module doc).
+            return torch.cat([temb.unsqueeze(1).to(joint.dtype), joint], dim=1)
         x = self.norm_out(joint[:, text_len:], temb)
         return gather_sequence(self.proj_out(x), img_shards, 1)

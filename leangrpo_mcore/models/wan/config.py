@@ -13,6 +13,7 @@ from typing import Any, Optional
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.vae_factors import wan_spatial_factor
 
 DIFFUSERS_CLASS_NAME = "WanTransformer3DModel"
 QK_NORM_ACROSS_HEADS = "rms_norm_across_heads"
@@ -75,9 +76,7 @@ class WanConfig(TransformerConfig):
         self._check_wan_fields()
         if self.kv_channels is None:
             self.kv_channels = self.hidden_size // self.num_attention_heads
-        if self.vae_scale_factor_spatial is None:
-            # The Wan2.2 VAE (48 latent channels) compresses 16x spatially, the Wan2.1 VAE (16 channels) 8x.
-            self.vae_scale_factor_spatial = 16 if self.in_channels == 48 else 8
+        self.vae_scale_factor_spatial = wan_spatial_factor(self.in_channels, self.vae_scale_factor_spatial)
         super().__post_init__()
 
     def _check_wan_fields(self) -> None:

@@ -3,11 +3,22 @@
 ``WanModel(config, backend=...)`` builds every linear through the backend provider (local megatron-core
 tensor-parallel layers or Transformer Engine), so one set of parameter names serves both backends and the
 converter. The forward takes diffusers' keyword arguments and returns the velocity tensor itself.
+
+Pipeline stages (``common.pipeline``) split the blocks. Every block reads the hidden states, the 6-way timestep
+modulation and the encoded text; the output norm reads temb. A boundary carries one tensor (B, S + 7T + L, D)
+in the model dtype: ``[hidden states, temb, modulation, encoded text]``, T = 1 (one timestep per sample) or S
+(per-token timesteps), tokens of this CP rank. All three conditioning inputs are sent, none recomputed: at
+Wan2.1-14B the time embedder and ``time_proj`` hold 185M parameters and the text embedder 47M (370 MB and 94 MB
+in bf16 that every stage would hold, with gradients summed over stages), while temb and the modulation are 7
+tokens per sample and the text 512 tokens against the tens of thousands of video tokens that cross anyway.
+Per-token timesteps make temb and the modulation 7 tokens per video token; ``docs/models.md`` (Pipeline
+stages) has the numbers and why they are still sent. The RoPE tables have no parameters and are recomputed.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,6 +27,7 @@ from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.norms import LayerNorm
+from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, StageInputMixin, check_boundary
 from leangrpo_mcore.models.common.tp import full_shape
 from leangrpo_mcore.models.wan.config import WanConfig
 from leangrpo_mcore.models.wan.layers import (
@@ -27,24 +39,29 @@ from leangrpo_mcore.models.wan.layers import (
 )
 
 
-class WanModel(nn.Module):
+class WanModel(StageInputMixin, nn.Module):
     """Wan T2V diffusion transformer: patchify -> N blocks -> modulated output norm -> projection -> unpatchify."""
 
-    def __init__(self, config: WanConfig, *, backend: str = "auto") -> None:
+    def __init__(self, config: WanConfig, *, backend: str = "auto", stage: Optional[PipelineStage] = None) -> None:
         super().__init__()
         if not isinstance(config, WanConfig):
             raise ValueError(f"WanModel needs a WanConfig, got {type(config).__name__}")
-        self.config = config
+        stage = PipelineStage.whole(config.num_layers) if stage is None else stage
+        if stage.total != config.num_layers:
+            raise ValueError(f"pipeline stage splits {stage.total} blocks, the Wan model has {config.num_layers}")
+        self.config, self.stage = config, stage
         provider = get_backend(backend)
         dim, patch_numel = config.hidden_size, math.prod(config.patch_size)
-        # A stride-equals-kernel Conv3d is a linear map on flattened (C, pt, ph, pw) patches.
-        self.patch_embedding = provider.replicated_linear(config.in_channels * patch_numel, dim, config=config)
-        self.condition_embedder = WanConditionEmbedder(config, provider)
+        if stage.pre_process:
+            # A stride-equals-kernel Conv3d is a linear map on flattened (C, pt, ph, pw) patches.
+            self.patch_embedding = provider.replicated_linear(config.in_channels * patch_numel, dim, config=config)
+            self.condition_embedder = WanConditionEmbedder(config, provider)
         # Named ``layers`` (megatron style) so that ``blocks()`` can be the contract's accessor.
-        self.layers = nn.ModuleList(WanBlock(config, provider) for _ in range(config.num_layers))
-        self.norm_out = LayerNorm(dim, config.layernorm_epsilon)
-        self.proj_out = provider.replicated_linear(dim, config.out_channels * patch_numel, config=config)
-        self.scale_shift_table = modulation_table(2, dim, config.params_dtype)
+        self.layers = StageBlocks((WanBlock(config, provider) for _ in stage.blocks), first=stage.start)
+        if stage.post_process:
+            self.norm_out = LayerNorm(dim, config.layernorm_epsilon)
+            self.proj_out = provider.replicated_linear(dim, config.out_channels * patch_numel, config=config)
+            self.scale_shift_table = modulation_table(2, dim, config.params_dtype)
         if provider.name == "te":
             # TE allocates its layers on the GPU; bring the torch-native parameters (tables, norms) along.
             self.to(torch.cuda.current_device())
@@ -115,6 +132,23 @@ class WanModel(nn.Module):
             f"Wan timestep must be (), ({batch},) or per-token ({batch}, {seq}), got {tuple(timestep.shape)}"
         )
 
+    def _pack(self, h: torch.Tensor, temb: torch.Tensor, modulation: torch.Tensor,
+              context: torch.Tensor) -> torch.Tensor:
+        """The boundary tensor (B, S + T + 6T + L, D): hidden states, temb, modulation, text; T = 1, or S per token."""
+        batch, dim = h.shape[0], h.shape[-1]
+        parts = (h, temb.reshape(batch, -1, dim), modulation.reshape(batch, -1, dim), context)
+        return torch.cat([part.to(h.dtype) for part in parts], dim=1)
+
+    def _unpack(self, timestep: torch.Tensor, seq: int, text_len: int):
+        """(hidden states, temb, modulation, text) out of the previous stage's boundary tensor."""
+        received = self._take_stage_input(self.stage)
+        batch, dim = timestep.shape[0], self.config.hidden_size
+        per_token = timestep.shape[1:]  # () or (S,): the conditioning's token dimensions
+        rows = 1 if timestep.ndim == 1 else timestep.shape[1]
+        check_boundary(received, (batch, seq + 7 * rows + text_len, dim), self.stage)
+        h, temb, modulation, context = received.split([seq, rows, 6 * rows, text_len], dim=1)
+        return (h, temb.reshape(batch, *per_token, dim), modulation.reshape(batch, *per_token, 6, dim), context)
+
     def forward(
         self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
     ) -> torch.Tensor:
@@ -123,6 +157,10 @@ class WanModel(nn.Module):
 
         Under context parallelism the inputs and the output are whole on every CP rank, the blocks see this rank's
         video tokens only, and the output's gradient is summed over the CP group (``gather_sequence``).
+
+        Pipeline stages take the same arguments. A stage other than the first reads its input from
+        :meth:`set_input_tensor` and uses the arguments only for positions and sizes; a stage other than the last
+        returns the boundary tensor (see the module doc).
         """
         grid = self._patch_grid(hidden_states.shape)
         if encoder_hidden_states.ndim != 3 or encoder_hidden_states.shape[-1] != self.config.text_dim:
@@ -139,11 +177,16 @@ class WanModel(nn.Module):
             shards = SequenceShards.split(seq)
             tokens, rope = shards.shard(tokens, 1), tuple(shards.shard(table, 0) for table in rope)
             timestep = shards.shard(timestep, 1) if timestep.ndim == 2 else timestep
-        h = self.patch_embedding(tokens)
-        temb, modulation, context = self.condition_embedder(timestep, encoder_hidden_states)
+        if self.stage.pre_process:
+            h = self.patch_embedding(tokens)
+            temb, modulation, context = self.condition_embedder(timestep, encoder_hidden_states)
+        else:
+            h, temb, modulation, context = self._unpack(timestep, tokens.shape[1], encoder_hidden_states.shape[1])
         for block in self.layers:
             h = maybe_checkpoint(block, h, context, modulation, rope, shards,
                                  enabled=self.config.activation_checkpointing, fp8=bool(self.config.fp8))
+        if not self.stage.post_process:
+            return self._pack(h, temb, modulation, context)
         shift, scale = split_modulation(self.scale_shift_table, temb.unsqueeze(-2))
         h = (self.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
         return self._unpatchify(gather_sequence(self.proj_out(h), shards, 1), grid)
