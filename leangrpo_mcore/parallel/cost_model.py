@@ -177,7 +177,8 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
         phases["provisional_gradients"] = {
             **base, "grads": earlier, "trajectories": trajectories,
             "provisional_grads": m["gradient_buffer"] * m["buffers"],
-            "activations": m["activations_step"], "backward_transient": m["backward_transient"]}
+            # each trained sample's forward runs alone and is backpropagated at once: one sample's graph
+            "activations": m["activations_sample_step"], "backward_transient": m["backward_transient"]}
     phases["reward"] = _reward_phase(m, base, schedule, graphs, trajectories, unsharded)
     return phases
 
@@ -257,6 +258,9 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
     params = params_per_rank(work.arch, layout.tp) * work.precision.compute_bytes
     gather = (layout.dp_shard - 1) / layout.dp_shard * params / (hw.intra_node_gbps * 1e9)
     gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
+    if schedule == "reweight" and work.reshard_after_forward:  # the per-sample passes gather once per sample
+        alone = steps * (2 if kl else 1)
+        gathers = mb * (forwards - alone) + n * (alone + backwards)
     grad_bytes = trainable * work.precision.buffer_bytes
     # Unsharded accumulation reads and writes the buffer once per backward; Reweight also scales and sums
     # its Q per-sample buffers once per group.

@@ -41,6 +41,12 @@ def test_reweight_runs_a_forward_and_a_backward_per_sample_at_any_micro_batch():
     assert batched["backward"] == single["backward"] > 0 and batched["rollout"] == single["rollout"] > 0
     assert native == single["backward"]  # the same backward work per sample as Native's
     assert native == step_time(_work(**group16), H100, LAYOUT, "native", False)["backward"]
+    # one sample's graph at a time, where Native holds the micro-batch's; each per-sample pass gathers
+    one = memory_phases(_work(**group16), H100, LAYOUT, "reweight", False)["provisional_gradients"]
+    two = memory_phases(_work(micro_batch=2, **group16), H100, LAYOUT, "reweight", False)["provisional_gradients"]
+    nat = memory_phases(_work(micro_batch=2, **group16), H100, LAYOUT, "native", False)["native_update"]
+    assert two["activations"] == one["activations"] and nat["activations"] == 2 * one["activations"]
+    assert batched["fsdp_all_gather"] > single["fsdp_all_gather"] * 0.75  # the trained passes are not batched
 
 
 def test_provisional_gradients_are_charged_in_their_dtype():
