@@ -1,10 +1,13 @@
 """Fit the planner's activation-memory constants to measured saved-tensor bytes of real policy forwards.
 
-For each family (FLUX, Wan), compute dtype (fp32, bf16) and activation checkpointing (off, on) this builds small
-policies with ``leangrpo_mcore.models.build_policy`` over a grid of widths, heads, MLP widths, depths and token
-counts, runs one grad-enabled forward of one sample under ``torch.autograd.graph.saved_tensors_hooks`` and counts
-the bytes of the unique storages autograd saves (parameters excluded). A least-squares fit on the features of
-:func:`leangrpo_mcore.parallel.activations.activation_features` gives the bytes per unit of each feature.
+For each family (FLUX, Wan), compute dtype (fp32, bf16), activation checkpointing (off, on) and training mode (full
+fine-tuning; LoRA on the default targets, base frozen) this builds small policies with
+``leangrpo_mcore.models.build_policy`` over a grid of widths, heads, MLP widths, depths and token counts, at tensor
+parallelism 1 and 2 (TP=2 on a fake process group in this one process: collectives move nothing, the shapes every
+rank holds are exact), runs one grad-enabled forward of one sample under ``torch.autograd.graph.saved_tensors_hooks``
+and counts the bytes of the unique storages autograd saves on this rank (parameters excluded). A least-squares fit
+on the features of :func:`leangrpo_mcore.parallel.activations.activation_features` gives the bytes per unit of each
+feature.
 
     python tools/calibrate_activations.py            # print the fit and its residuals
     python tools/calibrate_activations.py --write    # also regenerate leangrpo_mcore/parallel/activation_fit.py
@@ -13,6 +16,7 @@ the bytes of the unique storages autograd saves (parameters excluded). A least-s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import pprint
@@ -24,11 +28,15 @@ import numpy as np
 import torch
 
 from leangrpo_mcore.models import build_policy
+from leangrpo_mcore.models.common.lora import LoRAConfig, apply_lora, mark_only_lora_trainable
 from leangrpo_mcore.parallel.activations import activation_features, fit_key
-from leangrpo_mcore.parallel.arch_specs import arch_from_config
+from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config
+from leangrpo_mcore.parallel.simulate import fake_world
 
 FIT_MODULE = os.path.join(os.path.dirname(__file__), "..", "leangrpo_mcore", "parallel", "activation_fit.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TP_SIZES = (1, 2)
+LORA_RANKS = (4, 8)
 
 
 def measure_saved_bytes(model: torch.nn.Module, forward: Callable[[], torch.Tensor]) -> int:
@@ -101,20 +109,42 @@ def _wan_sample(config: dict, latent: tuple[int, int, int], text: int, dtype: to
     return run
 
 
-def collect(family: str, dtype: torch.dtype, checkpointing: bool) -> tuple[list[dict], list[int]]:
-    """Features and measured saved bytes of every grid case of ``family``."""
+def tp_world(tp: int):
+    """Megatron's TP groups of size ``tp`` on a fake process group (nothing at TP=1: the single-process build)."""
+    return fake_world(world_size=tp, tp=tp) if tp > 1 else contextlib.nullcontext()
+
+
+def build_case(family: str, config: dict, dtype: torch.dtype, checkpointing: bool, lora_rank: int) -> torch.nn.Module:
+    """The policy of one grid case (in the current TP world), LoRA adapters attached and the base frozen if asked."""
+    model = build_policy({"family": family, **config, "activation_checkpointing": checkpointing},
+                         seed=0, backend="local", dtype=dtype)
+    if lora_rank:
+        apply_lora(model, LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank, targets=DEFAULT_LORA_TARGETS[family]))
+        model.to(dtype)
+        mark_only_lora_trainable(model)
+    return model
+
+
+def collect(family: str, dtype: torch.dtype, checkpointing: bool, lora: bool) -> tuple[list[dict], list[int]]:
+    """Features and measured saved bytes of every grid case of ``family`` at every TP size."""
     rows, measured = [], []
     if family == "flux":
         cases = [(c, _flux_sample(c, i, t, dtype), {"image": i, "text": t}) for c, i, t in flux_cases()]
     else:
         cases = [(c, _wan_sample(c, lat, t, dtype), {"image": lat[0] * lat[1] * lat[2] // 4, "text": t})
                  for c, lat, t in wan_cases()]
-    for config, run, counts in cases:
-        model = build_policy({"family": family, **config, "activation_checkpointing": checkpointing},
-                             seed=0, backend="local", dtype=dtype)
-        tokens = {**counts, "joint": counts["image"] + counts["text"], "sample": 1}
-        rows.append(activation_features(arch_from_config(family, config), tokens, checkpointing))
-        measured.append(measure_saved_bytes(model, lambda: run(model)))
+    for tp in TP_SIZES:
+        with tp_world(tp):
+            # each TP size measures every other case of the grid (alternating), which keeps the features apart
+            for n, (config, run, counts) in enumerate(cases):
+                if n % len(TP_SIZES) != tp % len(TP_SIZES):
+                    continue
+                rank = LORA_RANKS[(n // len(TP_SIZES)) % len(LORA_RANKS)] if lora else 0
+                model = build_case(family, config, dtype, checkpointing, rank)
+                tokens = {**counts, "joint": counts["image"] + counts["text"], "sample": 1}
+                rows.append(activation_features(arch_from_config(family, config), tokens, checkpointing, tp=tp,
+                                                lora_rank=rank))
+                measured.append(measure_saved_bytes(model, lambda: run(model)))
     return rows, measured
 
 
@@ -154,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     fits = {}
     for family in args.family or ["flux", "wan"]:
-        for dtype_name, checkpointing in itertools.product(DTYPES, (False, True)):
-            rows, measured = collect(family, DTYPES[dtype_name], checkpointing)
-            key = fit_key(family, torch.tensor([], dtype=DTYPES[dtype_name]).element_size(), checkpointing)
+        for dtype_name, checkpointing, lora in itertools.product(DTYPES, (False, True), (False, True)):
+            rows, measured = collect(family, DTYPES[dtype_name], checkpointing, lora)
+            key = fit_key(family, torch.tensor([], dtype=DTYPES[dtype_name]).element_size(), checkpointing, lora)
             fits[key] = fit(rows, measured)
             print(f"{key}: {fits[key]}", flush=True)
     if args.write:

@@ -1,12 +1,16 @@
 """Activation memory of one grad-enabled policy forward, from measured per-token, per-layer constants.
 
-The bytes autograd saves in a forward are linear in features of the architecture and the token counts (flash /
-memory-efficient attention saves no T x T matrix): for every block kind, tokens x hidden width, tokens x MLP
-width, tokens x heads (the fp32 log-sum-exp of attention), width alone (per-sample modulation vectors) and, for Wan's
-cross-attention, text tokens x width; outside the blocks, tokens x width, tokens x head width (the rotary
-tables), width and the raw inputs. The coefficients
-(bytes per unit of each feature) are fitted by least squares to the saved-tensor bytes of real forwards of the
-policy on small configs, per compute dtype, with and without per-block activation checkpointing::
+The bytes autograd saves in a forward are linear in features of the architecture, the token counts and the
+tensor-parallel degree (flash / memory-efficient attention saves no T x T matrix): for every block kind, tokens x
+hidden width that every TP rank holds whole (the block input, its norms and modulated copies, the branch outputs
+the gates multiply), tokens x hidden width split over TP (q/k/v, the attention output and, for FLUX, the MLP
+hidden state), tokens x MLP width split over TP (Wan), tokens x heads split over TP (the fp32 log-sum-exp of
+attention), width alone (per-sample modulation vectors), for Wan's cross-attention text tokens x width split over
+TP, and with LoRA tokens x rank (the adapters' inner activations); outside the blocks, tokens x width, tokens x
+head width (the rotary tables), width and the raw inputs. The coefficients (bytes per unit of each feature) are
+fitted by least squares to the saved-tensor bytes of real forwards of the policy on small configs at TP 1 and 2,
+per compute dtype, with and without per-block activation checkpointing, for full fine-tuning and for LoRA on the
+default targets (frozen linears save no input)::
 
     python tools/calibrate_activations.py --write
 
@@ -24,21 +28,28 @@ from leangrpo_mcore.parallel.arch_specs import ArchSpec
 DTYPE_NAMES = {4: "fp32", 2: "bf16"}
 
 
-def activation_features(arch: ArchSpec, tokens: dict[str, int], checkpointing: bool) -> dict[str, float]:
-    """The features the saved bytes of one sample's forward are linear in (names match the fitted constants)."""
+def activation_features(arch: ArchSpec, tokens: dict[str, int], checkpointing: bool, *, tp: int = 1,
+                        lora_rank: int = 0) -> dict[str, float]:
+    """The features the saved bytes of one sample's forward on one TP rank are linear in (names match the fitted
+    constants). ``lora_rank`` > 0: LoRA adapters of that rank on the default targets, the base frozen."""
+    if tp < 1 or lora_rank < 0:
+        raise UserError(f"tp must be >= 1 and lora_rank >= 0, got tp={tp}, lora_rank={lora_rank}")
     d, h, hd = arch.hidden_size, arch.num_heads, arch.head_dim
     feats: dict[str, float] = {}
     for block in arch.blocks:
         t = tokens[block.stream]
         key = f"{block.kind}.ckpt" if checkpointing else block.kind
-        feats[f"{key}.T.D"] = block.count * t * d
+        feats[f"{key}.T.D"] = block.count * t * d  # replicated over TP
         feats[f"{key}.D"] = block.count * d  # per-sample vectors: modulation chunks, gates, time embedding
         if not checkpointing:
-            if arch.family == "wan":  # FLUX's MLP width is always 4x the hidden width: folded into T.D
-                feats[f"{key}.T.F"] = block.count * t * block.mlp_dim
-            feats[f"{key}.T.H"] = block.count * t * h
+            feats[f"{key}.T.Ds"] = block.count * t * d / tp  # head-parallel (FLUX: MLP width 4x, folded in)
+            if arch.family == "wan":
+                feats[f"{key}.T.F"] = block.count * t * block.mlp_dim / tp
+            feats[f"{key}.T.H"] = block.count * t * h / tp
+            if lora_rank:
+                feats[f"{key}.T.r"] = block.count * t * lora_rank
         if arch.family == "wan":
-            feats[f"{key}.Ttxt.D"] = block.count * tokens["text"] * d
+            feats[f"{key}.Ttxt.D"] = block.count * tokens["text"] * d / tp
     rope_stream = "joint" if arch.family == "flux" else "image"
     feats["root.Timg.D"] = tokens["image"] * d
     feats["root.Ttxt.D"] = tokens["text"] * d
@@ -57,35 +68,42 @@ def _text_width(arch: ArchSpec) -> int:
     return next(lin.in_features for lin in arch.root if lin.name in names)
 
 
-def fit_key(family: str, dtype_bytes: int, checkpointing: bool) -> str:
+def fit_key(family: str, dtype_bytes: int, checkpointing: bool, lora: bool = False) -> str:
     """The key of one fitted coefficient set."""
     if dtype_bytes not in DTYPE_NAMES:
         raise UserError(f"no activation fit for a {dtype_bytes}-byte compute dtype (fp32 or bf16 only)")
-    return f"{family}/{DTYPE_NAMES[dtype_bytes]}/{'ckpt' if checkpointing else 'plain'}"
+    return f"{family}/{DTYPE_NAMES[dtype_bytes]}/{'ckpt' if checkpointing else 'plain'}" + ("/lora" if lora else "")
+
+
+def _coefficients(fit: dict | None, key: str, feats: dict[str, float]) -> dict[str, float]:
+    entry = (fit or FIT).get(key)
+    if entry is None:
+        raise UserError(f"no activation fit {key} (regenerate with tools/calibrate_activations.py --write)")
+    missing = sorted(set(feats) - set(entry["coef"]))
+    if missing:
+        raise UserError(f"the activation fit {key} lacks {missing}")
+    return entry["coef"]
 
 
 def saved_bytes(arch: ArchSpec, tokens: dict[str, int], *, batch: int, dtype_bytes: int,
-                checkpointing: bool, fit: dict | None = None) -> int:
-    """Bytes autograd keeps for the backward of one forward of ``batch`` samples."""
+                checkpointing: bool, tp: int = 1, lora_rank: int = 0, fit: dict | None = None) -> int:
+    """Bytes autograd keeps on one TP rank for the backward of one forward of ``batch`` samples (``lora_rank`` > 0:
+    LoRA on the default targets with the base frozen; other targets are charged as full fine-tuning)."""
     if batch < 1:
         raise UserError(f"batch must be >= 1, got {batch}")
-    entry = (fit or FIT)[fit_key(arch.family, dtype_bytes, checkpointing)]
-    coef = entry["coef"]
-    feats = activation_features(arch, tokens, checkpointing)
-    missing = sorted(set(feats) - set(coef))
-    if missing:
-        raise UserError(f"the activation fit {fit_key(arch.family, dtype_bytes, checkpointing)} lacks {missing}")
+    feats = activation_features(arch, tokens, checkpointing, tp=tp, lora_rank=lora_rank)
+    coef = _coefficients(fit, fit_key(arch.family, dtype_bytes, checkpointing, lora_rank > 0), feats)
     return int(batch * max(0.0, sum(coef[name] * value for name, value in feats.items())))
 
 
-def block_saved_bytes(arch: ArchSpec, tokens: dict[str, int], *, batch: int, dtype_bytes: int,
-                      fit: dict | None = None) -> int:
+def block_saved_bytes(arch: ArchSpec, tokens: dict[str, int], *, batch: int, dtype_bytes: int, tp: int = 1,
+                      lora_rank: int = 0, fit: dict | None = None) -> int:
     """Saved bytes of the largest single block without checkpointing (what a checkpointed backward recomputes)."""
-    entry = (fit or FIT)[fit_key(arch.family, dtype_bytes, False)]["coef"]
-    feats = activation_features(arch, tokens, False)
+    feats = activation_features(arch, tokens, False, tp=tp, lora_rank=lora_rank)
+    coef = _coefficients(fit, fit_key(arch.family, dtype_bytes, False, lora_rank > 0), feats)
     best = 0.0
     for block in arch.blocks:
-        per = sum(entry.get(name, 0.0) * value for name, value in feats.items() if name.startswith(block.kind + "."))
+        per = sum(coef.get(name, 0.0) * value for name, value in feats.items() if name.startswith(block.kind + "."))
         best = max(best, per / block.count if block.count else 0.0)
     return int(batch * best)
 

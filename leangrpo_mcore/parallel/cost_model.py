@@ -21,6 +21,7 @@ from typing import Optional
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel import activations as act
 from leangrpo_mcore.parallel.arch_specs import (
+    DEFAULT_LORA_TARGETS,
     forward_flops,
     largest_block_params,
     lora_params_per_rank,
@@ -84,9 +85,10 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dic
     cfg = 2 if work.cfg else 1
     batch = shape.micro_batch * cfg
     dtype = 2 if prec.compute_bytes <= 2 else 4
-    per_sample_step = act.saved_bytes(arch, work.tokens, batch=cfg, dtype_bytes=dtype, checkpointing=ac)
+    fit = {"tp": layout.tp, "lora_rank": _fitted_lora_rank(work)}
+    per_sample_step = act.saved_bytes(arch, work.tokens, batch=cfg, dtype_bytes=dtype, checkpointing=ac, **fit)
     working = act.working_bytes(arch, work.tokens, batch=batch, dtype_bytes=prec.compute_bytes)
-    recompute = act.block_saved_bytes(arch, work.tokens, batch=batch, dtype_bytes=dtype) if ac else 0
+    recompute = act.block_saved_bytes(arch, work.tokens, batch=batch, dtype_bytes=dtype, **fit) if ac else 0
     text_width = next(lin.in_features for lin in arch.root if lin.stream == "text")
     # A trajectory keeps fp32 latents for every step (docs/algorithms.md §7) and the prompt's text embeddings.
     trajectory = 4 * (work.num_steps + 1) * arch.latent_elements(work.tokens) * cfg
@@ -112,6 +114,15 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dic
         "generations_per_rank": shape.generations_per_rank,
         "groups_per_rank": shape.groups_per_rank,
     }
+
+
+def _fitted_lora_rank(work: Workload) -> int:
+    """The LoRA rank the activation fit is evaluated at: 0 (full fine-tuning's fit) unless the adapters sit on the
+    default targets the LoRA fit was measured with; other targets are charged as full fine-tuning, which saves
+    the input of every linear (an upper bound up to the adapters' own small activations)."""
+    if work.full_finetune or tuple(work.lora_targets) != DEFAULT_LORA_TARGETS[work.arch.family]:
+        return 0
+    return work.lora_rank
 
 
 def _largest_weight(arch) -> int:
@@ -166,7 +177,8 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
         phases["provisional_gradients"] = {
             **base, "grads": earlier, "trajectories": trajectories,
             "provisional_grads": m["gradient_buffer"] * m["buffers"],
-            "activations": m["activations_step"], "backward_transient": m["backward_transient"]}
+            # each trained sample's forward runs alone and is backpropagated at once: one sample's graph
+            "activations": m["activations_sample_step"], "backward_transient": m["backward_transient"]}
     phases["reward"] = _reward_phase(m, base, schedule, graphs, trajectories, unsharded)
     return phases
 
@@ -246,6 +258,9 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
     params = params_per_rank(work.arch, layout.tp) * work.precision.compute_bytes
     gather = (layout.dp_shard - 1) / layout.dp_shard * params / (hw.intra_node_gbps * 1e9)
     gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
+    if schedule == "reweight" and work.reshard_after_forward:  # the per-sample passes gather once per sample
+        alone = steps * (2 if kl else 1)
+        gathers = mb * (forwards - alone) + n * (alone + backwards)
     grad_bytes = trainable * work.precision.buffer_bytes
     # Unsharded accumulation reads and writes the buffer once per backward; Reweight also scales and sums
     # its Q per-sample buffers once per group.

@@ -43,6 +43,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "provisional_gradien
 ROLLOUT_PHASES = ("rollout", "reward", "advantage")
 """Phases of a step counted toward its rollout region (the rest toward its update region): Retain's graphs
 build up in the first and are consumed in the second, and only the first scales with the trained steps."""
+FIRST_BACKWARD = "update_first_backward"
+"""Retain's update region up to the end of its first backward."""
 NOT_SIMULATED = ("text encoding (before the step)", "latent decoding and the reward model (planner inputs)")
 
 
@@ -124,16 +126,27 @@ class _Labeller:
     def __init__(self, sim: SimulationMode, engine, schedule: str) -> None:
         self.sim, self.engine, self.schedule = sim, engine, schedule
         self.stack: list[str] = []
+        self.backward_done = False
 
     def __call__(self, name: str, entering: bool) -> None:
         if entering:
             self.stack.append(name)
         else:
-            self.stack.pop()
+            if self.stack.pop() == "backward" and self.sim.ledger.region == FIRST_BACKWARD:
+                self.backward_done = True
             self.mark()
         phase = self.stack[-1] if self.stack else "other"
         self.sim.ledger.label = phase
-        region = "rollout" if phase in ROLLOUT_PHASES else ("update" if self.stack else "other")
+        if phase in ROLLOUT_PHASES:
+            region = "rollout"
+            if phase == "rollout":  # a new group's graphs: its first backward comes again
+                self.backward_done = False
+        elif not self.stack:
+            region = "other"
+        else:
+            # Retain: the update's first backward runs while every other kept graph still exists (its own region,
+            # so that those graphs can be scaled to |S| there too); the graphs only shrink after it.
+            region = FIRST_BACKWARD if self.schedule == "retain" and not self.backward_done else "update"
         if region != self.sim.ledger.region:
             self.sim.ledger.enter(region)
 
@@ -288,13 +301,18 @@ def with_steps(config: Config) -> tuple[Config, float]:
 
 
 def _scaled(sim: Simulation, graphs: float) -> Simulation:
-    """``sim`` with the retained graphs of its rollout region scaled by ``graphs`` (simulated trained steps to
-    |S|); the update region consumes them and is left as it is."""
+    """``sim`` with Retain's graphs scaled by ``graphs`` (simulated trained steps to |S|): at the rollout's peak
+    all of them are kept (scaled by ``graphs``); during the update's first backward the graphs of the trained
+    steps the reduced rollout left out are all still kept (added); after it the graphs only shrink while the
+    gradients stay, so the rest of the update is left as it is."""
     if graphs == 1.0 or "rollout" not in sim.regions:
         return sim
     regions = {name: dict(b) for name, b in sim.regions.items()}
     rollout = regions["rollout"]
-    rollout["retained_graphs"] = int(round(rollout["retained_graphs"] * graphs))
+    kept = rollout["retained_graphs"]
+    rollout["retained_graphs"] = int(round(kept * graphs))
+    if FIRST_BACKWARD in regions:
+        regions[FIRST_BACKWARD]["retained_graphs"] += int(round(kept * (graphs - 1)))
     return _result(regions, sim.level, sim.seconds, sim.fake_reads, sim.notes)
 
 

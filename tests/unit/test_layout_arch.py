@@ -120,24 +120,24 @@ def _calibration_tool():
     return module
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("lora_rank", [0, 6])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_activation_fit_predicts_an_unseen_config(checkpointing):
-    """Measure saved bytes of configs outside the calibration grid and compare with the fitted prediction."""
-    from leangrpo_mcore.models import build_policy
-
+def test_activation_fit_predicts_an_unseen_config(checkpointing, lora_rank, tp):
+    """Measure saved bytes of configs outside the calibration grid (full fine-tuning and LoRA, TP 1 and 2 on a fake
+    process group) and compare with the fitted prediction."""
     tool = _calibration_tool()
     cases = [("flux", {"patch_size": 1, "in_channels": 16, "num_layers": 2, "num_single_layers": 2,
-                       "attention_head_dim": 24, "num_attention_heads": 3, "joint_attention_dim": 48,
-                       "pooled_projection_dim": 24, "guidance_embeds": True, "axes_dims_rope": [4, 10, 10]},
+                       "attention_head_dim": 12, "num_attention_heads": 6, "joint_attention_dim": 48,
+                       "pooled_projection_dim": 24, "guidance_embeds": True, "axes_dims_rope": [4, 4, 4]},
               {"image": 36, "text": 12}),
-             ("wan", {"patch_size": [1, 2, 2], "num_attention_heads": 3, "attention_head_dim": 18, "in_channels": 4,
+             ("wan", {"patch_size": [1, 2, 2], "num_attention_heads": 6, "attention_head_dim": 12, "in_channels": 4,
                       "out_channels": 4, "text_dim": 24, "freq_dim": 8, "ffn_dim": 80, "num_layers": 3,
                       "rope_max_seq_len": 32}, {"image": 2 * 5 * 3, "text": 12})]
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), tool.tp_world(tp):
         warnings.simplefilter("ignore")
         for family, config, counts in cases:
-            model = build_policy({"family": family, **config, "activation_checkpointing": checkpointing},
-                                 backend="local")
+            model = tool.build_case(family, config, torch.float32, checkpointing, lora_rank)
             if family == "flux":
                 run = tool._flux_sample(config, counts["image"], counts["text"], torch.float32)
             else:
@@ -145,5 +145,5 @@ def test_activation_fit_predicts_an_unseen_config(checkpointing):
             measured = tool.measure_saved_bytes(model, lambda: run(model))
             tokens = {**counts, "joint": counts["image"] + counts["text"], "sample": 1}
             predicted = act.saved_bytes(arch_from_config(family, config), tokens, batch=1, dtype_bytes=4,
-                                        checkpointing=checkpointing)
+                                        checkpointing=checkpointing, tp=tp, lora_rank=lora_rank)
             assert abs(predicted / measured - 1) < 0.08, (family, predicted, measured)

@@ -41,6 +41,12 @@ def test_reweight_runs_a_forward_and_a_backward_per_sample_at_any_micro_batch():
     assert batched["backward"] == single["backward"] > 0 and batched["rollout"] == single["rollout"] > 0
     assert native == single["backward"]  # the same backward work per sample as Native's
     assert native == step_time(_work(**group16), H100, LAYOUT, "native", False)["backward"]
+    # one sample's graph at a time, where Native holds the micro-batch's; each per-sample pass gathers
+    one = memory_phases(_work(**group16), H100, LAYOUT, "reweight", False)["provisional_gradients"]
+    two = memory_phases(_work(micro_batch=2, **group16), H100, LAYOUT, "reweight", False)["provisional_gradients"]
+    nat = memory_phases(_work(micro_batch=2, **group16), H100, LAYOUT, "native", False)["native_update"]
+    assert two["activations"] == one["activations"] and nat["activations"] == 2 * one["activations"]
+    assert batched["fsdp_all_gather"] > single["fsdp_all_gather"] * 0.75  # the trained passes are not batched
 
 
 def test_provisional_gradients_are_charged_in_their_dtype():
@@ -66,3 +72,27 @@ def test_the_reweight_plan_and_its_fallback_are_explained():
     exact = workload_from_config(load_config("yaml_configs/tiny/flux.yaml", ["schedule.reweight_accumulate=affine"]))
     assert exact.reweight_accumulate == "affine" and not exact.reweight_note
     assert "Reweight accumulates affine provisional gradients." in plan(exact, hw, schedules=("reweight",)).reason
+
+
+def test_activations_are_charged_per_tensor_parallel_rank():
+    """q/k/v, the attention output and the MLP hidden state are split over TP; the block input and its normed and
+    modulated copies are not: at TP=4 a rank saves less than a quarter more than a quarter of TP=1's bytes."""
+    def saved(tp):
+        layout = Layout(tp=tp, dp_shard=8 // tp, dp_replicate=1)
+        return memory_phases(_work(), H100, layout, "reweight", False)["provisional_gradients"]["activations"]
+
+    one, four = saved(1), saved(4)
+    assert 0.3 < four / one < 0.55, (one, four)
+
+
+def test_lora_on_the_default_targets_saves_no_input_of_a_frozen_linear():
+    from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS
+
+    def saved(**kw):
+        return memory_phases(_work(**kw), H100, LAYOUT, "native", False)["native_update"]["activations"]
+
+    full = saved()
+    lora = saved(lora_rank=64, lora_targets=DEFAULT_LORA_TARGETS["flux"])
+    custom = saved(lora_rank=64, lora_targets=("attn.to_q",))
+    assert 0.6 < lora / full < 0.85, (full, lora)  # FLUX's single blocks: MLP and output projection frozen
+    assert custom == full  # other targets: charged as full fine-tuning (an upper bound)

@@ -7,7 +7,7 @@ import torch
 
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.parallel.sim_mode import FAKE_FLOAT, SimulationMode, is_fake
-from leangrpo_mcore.parallel.simulate import selected_steps, simulate, simulate_step, with_steps
+from leangrpo_mcore.parallel.simulate import FIRST_BACKWARD, selected_steps, simulate, simulate_step, with_steps
 
 BIG = (1 << 20) + 1  # one element more than stays real
 
@@ -77,3 +77,7 @@ def test_reduced_simulation_matches_the_direct_one():
     assert reduced.peak_bytes == pytest.approx(direct.peak_bytes, rel=0.02)
     assert reduced.breakdown["retained_graphs"] == pytest.approx(direct.breakdown["retained_graphs"], rel=0.02)
     assert direct.breakdown["retained_graphs"] > 0.5 * direct.step_peak_bytes
+    # the update's first backward: every other graph still kept, the gradients being made
+    first_reduced, first_direct = (sum(sim.regions[FIRST_BACKWARD].values()) for sim in (reduced, direct))
+    assert first_reduced == pytest.approx(first_direct, rel=0.02)
+    assert direct.regions[FIRST_BACKWARD]["retained_graphs"] > 0.5 * direct.regions["rollout"]["retained_graphs"]
