@@ -26,12 +26,18 @@ def _flux(group=8, prompts=4, **kw):
                     prompts_per_step=prompts, **kw)
 
 
-def test_layouts_keep_tp_and_fsdp_inside_a_node():
+def test_layouts_keep_tp_cp_and_fsdp_inside_a_node():
     layouts = enumerate_layouts(24, CLUSTER)
     assert {lay.tp for lay in layouts} == {1, 2, 4, 8}
     for lay in layouts:
-        assert 8 % (lay.tp * lay.dp_shard) == 0 and lay.tp * lay.dp_shard * lay.dp_replicate == 32
+        assert 8 % (lay.tp * lay.cp * lay.dp_shard) == 0
+        assert lay.tp * lay.cp * lay.dp_shard * lay.dp_replicate == 32
+        assert 24 % (lay.tp * lay.cp) == 0  # Ulysses splits the heads of a TP rank over the CP ranks
+    assert {(lay.tp, lay.cp) for lay in layouts} == {(1, 1), (1, 2), (1, 4), (1, 8), (2, 1), (2, 2), (2, 4),
+                                                     (4, 1), (4, 2), (8, 1)}
     assert {lay.tp for lay in enumerate_layouts(12, CLUSTER)} == {1, 2, 4}  # TP must divide the 12 heads
+    assert {lay.cp for lay in enumerate_layouts(12, CLUSTER, tp=4)} == {1}  # 3 heads per TP rank: no CP
+    assert {lay.cp for lay in enumerate_layouts(24, CLUSTER, cp=1)} == {1}
     with pytest.raises(UserError, match="no layout"):
         enumerate_layouts(24, CLUSTER, tp=3)
 
