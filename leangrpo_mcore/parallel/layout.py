@@ -176,16 +176,19 @@ def _cp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardwar
     named: ``schedule.name=auto`` refuses ``parallel.cp > 1``)."""
     c = best.layout.cp
     tokens = work.tokens[work.arch.blocks[0].stream]
-    text = f"CP={c} splits each sample's {tokens} tokens over {c} GPUs: "
-    single = [x for x in cands if x.feasible and x.layout.cp == 1]
+    text = f"CP={c} splits each sample's {tokens} tokens over {c} GPUs"
+    considered = [x for x in cands if x.layout.cp == 1]
+    single = [x for x in considered if x.feasible]
     fits = [x for x in single if x.fits]
-    if not single:
-        text += f"no CP=1 layout is feasible ({cands[0].note})."
+    if not considered:
+        text += " (the degree asked for)."
+    elif not single:
+        text += f": no CP=1 layout is feasible ({considered[0].note})."
     elif not fits:
         low = min(single, key=lambda x: x.peak_mem_bytes)
         same = [x for x in single if (x.schedule, x.layout.tp, x.activation_checkpointing)
                 == (best.schedule, best.layout.tp, best.activation_checkpointing)]
-        text += (f"nothing fits at CP=1 (smallest peak {_gib(low.peak_mem_bytes)} of {_gib(hw.gpu_mem_bytes)}: "
+        text += (f": nothing fits at CP=1 (smallest peak {_gib(low.peak_mem_bytes)} of {_gib(hw.gpu_mem_bytes)}: "
                  f"{low.schedule.capitalize()} with {describe_layout(low, work)}; largest terms: {_top(low.memory)})")
         if same:
             text += (f"; one sample's activations per trained step are "
@@ -196,7 +199,7 @@ def _cp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardwar
         other = min(fits, key=lambda x: x.step_time_s)
         diff = {k: other.time.get(k, 0.0) - best.time.get(k, 0.0) for k in other.time}
         worst = max(diff, key=diff.get)
-        text += (f"the fastest at CP=1 ({other.schedule.capitalize()} with {describe_layout(other, work)}) takes "
+        text += (f": the fastest at CP=1 ({other.schedule.capitalize()} with {describe_layout(other, work)}) takes "
                  f"{other.step_time_s:.1f} s/step, mostly {_WORDS.get(worst, worst)} (+{diff[worst]:.1f} s).")
     return text + (f" Run it with schedule.name={best.schedule} parallel.cp={c} (schedule.name=auto refuses "
                    f"parallel.cp > 1).")
