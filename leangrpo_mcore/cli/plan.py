@@ -205,8 +205,9 @@ def render(result: Plan, top: int = 0) -> str:
                   f"{'rank':>5}{'node':>5}{'local':>6}{'tp':>4}{'cp':>4}{'dp':>4}{'shard':>6}{'repl':>5}{'group':>6}  "
                   f"generations / prompt slots"]
         for r in pl.ranks[:MAX_TABLE_RANKS]:
-            lines.append(f"{r.rank:>5}{r.node:>5}{r.local_rank:>6}{r.tp_rank:>4}{r.cp_rank:>4}{r.dp_rank:>4}{r.dp_shard:>6}"
-                         f"{r.dp_replicate:>5}{r.worker_group:>6}  {list(r.generations)} / {list(r.prompt_slots)}")
+            lines.append(f"{r.rank:>5}{r.node:>5}{r.local_rank:>6}{r.tp_rank:>4}{r.cp_rank:>4}{r.dp_rank:>4}"
+                         f"{r.dp_shard:>6}{r.dp_replicate:>5}{r.worker_group:>6}  "
+                         f"{list(r.generations)} / {list(r.prompt_slots)}")
         if len(pl.ranks) > MAX_TABLE_RANKS:
             lines.append(f"... {len(pl.ranks) - MAX_TABLE_RANKS} more ranks (--json lists all)")
     return "\n".join(lines)
@@ -215,13 +216,14 @@ def render(result: Plan, top: int = 0) -> str:
 def render_simulations(result: Plan, sims: dict[int, dict]) -> str:
     """The simulated peaks against the predicted ones, one line per simulated candidate."""
     lines = ["", "", "simulated (one rank's real step under fake tensors; reserved memory added as predicted):",
-             f"{'schedule':9}{'tp':>3}{'shard':>6}{'repl':>5}{'ckpt':>5}{'predicted GiB':>15}{'simulated GiB':>15}"
+             f"{'schedule':9}{'tp':>3}{'cp':>3}{'shard':>6}{'repl':>5}{'ckpt':>5}{'predicted GiB':>15}"
+             f"{'simulated GiB':>15}"
              f"{'ratio':>7}{'sim s':>7}  biggest simulated terms"]
     for index, sim in sims.items():
         c = result.candidates[index]
         terms = sorted(sim["simulated_breakdown"].items(), key=lambda kv: -kv[1])[:3]
         shown = ", ".join(f"{k} {v / GiB:.1f}" for k, v in terms if v)
-        lines.append(f"{c.schedule:9}{c.layout.tp:>3}{c.layout.dp_shard:>6}{c.layout.dp_replicate:>5}"
+        lines.append(f"{c.schedule:9}{c.layout.tp:>3}{c.layout.cp:>3}{c.layout.dp_shard:>6}{c.layout.dp_replicate:>5}"
                      f"{'on' if c.activation_checkpointing else 'off':>5}{c.peak_mem_bytes / GiB:>15.1f}"
                      f"{sim['simulated_peak_bytes'] / GiB:>15.1f}{sim['simulated_over_predicted']:>7.2f}"
                      f"{sim['simulated_seconds']:>7.0f}  {shown}")

@@ -11,8 +11,9 @@ are not (each CP rank holds a full-size partial one).
 
 Time (seconds per optimizer step) adds compute (FLOPs over the GPU rate times an efficiency, divided by ``cp``),
 FSDP all-gathers, TP all-reduces, CP all-to-alls, gradient reduce-scatters (+ HSDP all-reduce across replicas),
-Reweight's gradient-buffer traffic, the optimizer and the reward. Communication is counted as exposed (not overlapped): a pessimistic model that
-ranks layouts the way the paper's measurements do (per-backward syncs are what coalescing removes).
+Reweight's gradient-buffer traffic, the optimizer and the reward. Communication is counted as exposed (not
+overlapped): a pessimistic model that ranks layouts the way the paper's measurements do (per-backward syncs are
+what coalescing removes).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 Pure Python (no torch.distributed). Candidates are every TP size dividing both the attention heads and the GPUs
 per node, every CP (context-parallel) size dividing the heads per TP rank with TP x CP inside a node, every FSDP
 shard degree filling part or all of the rest of a node, HSDP replicas across the remaining GPUs, each schedule
-(Native, Retain, Reweight) and, unless the experiment fixes it, activation checkpointing on and off. :mod:`leangrpo_mcore.parallel.cost_model` predicts each candidate's peak memory and step time; the
-fastest that fits wins, and the plan explains the choice against the best of the other schedules. When nothing
-fits the plan refuses, naming the smallest peak and what dominates it.
+(Native, Retain, Reweight) and, unless the experiment fixes it, activation checkpointing on and off.
+:mod:`leangrpo_mcore.parallel.cost_model` predicts each candidate's peak memory and step time; the fastest that
+fits wins, and the plan explains the choice against the best of the other schedules (and, with CP > 1, against
+CP = 1). When nothing fits the plan refuses, naming the smallest peak and what dominates it.
 
 :func:`plan_for_config` is what the trainer calls for ``schedule.name: auto``; :func:`predict_memory` gives the
 predicted peak of each schedule for a config as written (for comparing with a measured peak).
@@ -315,8 +316,8 @@ def plan_for_config(config: Any, world_size: int, *, gpus_per_node: Optional[int
 
     ``gpus_per_node`` defaults to ``$LOCAL_WORLD_SIZE`` (else one node); ``gpu_mem_gb`` None means unlimited
     memory (the plan then only compares time). The config's ``parallel.tp``, ``parallel.cp``, activation
-    checkpointing and any integer ``dp_shard`` / ``dp_replicate`` are kept; ``auto`` degrees are chosen. Extra keyword arguments
-    set :class:`Hardware` fields (e.g. ``gpu_tflops``, ``inter_node_gbps``).
+    checkpointing and any integer ``dp_shard`` / ``dp_replicate`` are kept; ``auto`` degrees are chosen. Extra
+    keyword arguments set :class:`Hardware` fields (e.g. ``gpu_tflops``, ``inter_node_gbps``).
     """
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
@@ -333,8 +334,8 @@ def predict_memory(config: Any, *, world_size: int = 1, text_tokens: Optional[in
                    overhead_bytes: int = 0, decode_bytes: int = 0, device: str = "cuda") -> dict[str, Estimate]:
     """Predicted memory of every schedule for ``config`` as written, on one node of ``world_size`` ranks.
 
-    Degrees come from the config (``auto``: dp_replicate 1, dp_shard the rest after TP and CP). The default excludes the CUDA
-    overhead, so the peak counts tensor bytes only, as a tensor-level meter sees them; each estimate's
+    Degrees come from the config (``auto``: dp_replicate 1, dp_shard the rest after TP and CP). The default
+    excludes the CUDA overhead, so the peak counts tensor bytes only, as a tensor-level meter sees them; each estimate's
     ``memory`` dict splits its peak phase into terms (weights, optimizer, activations, ...). ``decode_bytes`` is
     the transient memory of decoding and scoring one micro-batch (the VAE and reward model are inputs of the
     planner, not derived by it). ``device="cpu"`` models torch's CPU optimizer (one parameter at a time).

@@ -1,12 +1,12 @@
 """A world-size-2 FSDP2 checkpoint continues at world size 1, at TP=2 and at CP=2 as the world-size-2 run does,
 and a CP=2 checkpoint continues at world size 1 and at data parallelism 2 as the CP=2 run does.
 
-The reference run trains 3 steps at world size 2 (FSDP2 over both ranks) and saves after steps 2 and 3. Its
-step-2 checkpoint is then resumed at world size 1, at ``parallel.tp=2`` and at ``parallel.cp=2`` (2 ranks, no
-data parallelism); the weights after step 3 must equal the reference's within 1e-5 relative (fp32), and the
-update of step 3 must point the same way. The other direction starts from a 3-step ``parallel.cp=2`` reference
-(FSDP2 over the two CP ranks, each holding half of every sample's tokens). The reward is smooth in the pixels: layouts differ by fp32 rounding, which a JPEG size can turn
-into different advantages.
+The reference run trains 3 steps at world size 2 (FSDP2 over both ranks) and saves after steps 2 and 3. Its step-2
+checkpoint is then resumed at world size 1, at ``parallel.tp=2`` and at ``parallel.cp=2`` (2 ranks, no data
+parallelism); the weights after step 3 must equal the reference's within 1e-5 relative (fp32), and the update of
+step 3 must point the same way. The other direction starts from a 3-step ``parallel.cp=2`` reference (FSDP2 over
+the two CP ranks, each holding half of every sample's tokens). The reward is smooth in the pixels: layouts differ
+by fp32 rounding, which a JPEG size can turn into different advantages.
 """
 
 import os
