@@ -105,7 +105,7 @@ def test_refusal_names_the_smallest_peak():
 def test_plan_to_dict_keys():
     out = plan(_flux(), CLUSTER).to_dict()
     assert {"schedule", "reason", "candidates", "placement"} <= set(out)
-    need = {"schedule", "tp", "dp_shard", "dp_replicate", "generations_per_rank", "peak_mem_bytes", "fits",
+    need = {"schedule", "tp", "cp", "dp_shard", "dp_replicate", "generations_per_rank", "peak_mem_bytes", "fits",
             "step_time_s", "breakdown"}
     assert all(need <= set(c) for c in out["candidates"])
     first = out["candidates"][0]
