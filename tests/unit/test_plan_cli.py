@@ -168,3 +168,18 @@ def test_cp_flag_forces_the_degree(capsys):
     assert {c["cp"] for c in out["candidates"]} == {2} and out["chosen"]["cp"] == 2
     assert "CP=2 splits each sample's 1536 tokens over 2 GPUs (the degree asked for)." in out["reason"]
     assert all(c["tp"] * c["cp"] * c["dp_shard"] * c["dp_replicate"] == 8 for c in out["candidates"])
+
+
+def test_cp2_prediction_matches_the_simulated_step():
+    """The trainer's step at parallel.cp=2 under fake tensors against the planner's CP memory model."""
+    arch = ("model.arch={num_layers: 2, num_single_layers: 3, num_attention_heads: 4, attention_head_dim: 32, "
+            "axes_dims_rope: [8, 12, 12]}")
+    proc = _plan_cli("--config", "yaml_configs/tiny/flux.yaml", arch, "sampler.height=128", "sampler.width=128",
+                     "sampler.num_steps=5", "grpo.timestep_fraction=0.8", "parallel.cp=2", "--gpus-per-node", "2",
+                     "--gpu-mem-gb", "80", "--overhead-gb", "0", "--simulate", "all", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    simulated = [c for c in json.loads(proc.stdout)["candidates"] if "simulated_peak_bytes" in c]
+    assert sorted(c["schedule"] for c in simulated) == ["native", "retain", "reweight"]
+    for c in simulated:
+        assert c["cp"] == 2 and c["dp_shard"] * c["dp_replicate"] == 1
+        assert 0.9 <= c["simulated_over_predicted"] <= 1.1, (c["schedule"], c["simulated_over_predicted"])
