@@ -200,8 +200,11 @@ def _cp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardwar
         other = min(fits, key=lambda x: x.step_time_s)
         diff = {k: other.time.get(k, 0.0) - best.time.get(k, 0.0) for k in other.time}
         worst = max(diff, key=diff.get)
+        words = _WORDS.get(worst, worst)
+        if worst == "backward" and other.activation_checkpointing and not best.activation_checkpointing:
+            words = "recomputing activations in backward (at CP=1 it needs activation checkpointing to fit)"
         text += (f": the fastest at CP=1 ({other.schedule.capitalize()} with {describe_layout(other, work)}) takes "
-                 f"{other.step_time_s:.1f} s/step, mostly {_WORDS.get(worst, worst)} (+{diff[worst]:.1f} s).")
+                 f"{other.step_time_s:.1f} s/step, mostly {words} (+{diff[worst]:.1f} s).")
     return text + (f" Run it with schedule.name={best.schedule} parallel.cp={c} (schedule.name=auto refuses "
                    f"parallel.cp > 1).")
 

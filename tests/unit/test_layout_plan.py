@@ -253,6 +253,19 @@ def test_cp_is_not_chosen_when_it_only_adds_communication():
     assert any(c.layout.cp > 1 and c.fits for c in result.candidates)
 
 
+def test_cp_wins_on_time_when_it_spares_activation_checkpointing():
+    arch = load_arch("flux-dev")
+    work = Workload(arch=arch, tokens=arch.tokens(2048, 2048), num_steps=16, selected_steps=8, group_size=8,
+                    prompts_per_step=1, lora_rank=64, lora_targets=("attn",))
+    result = plan(work, ONE_NODE)
+    fastest_single = min((c for c in result.candidates if c.fits and c.layout.cp == 1), key=lambda c: c.step_time_s)
+    assert result.layout.cp > 1 and not result.chosen.activation_checkpointing
+    assert fastest_single.activation_checkpointing and fastest_single.step_time_s > result.chosen.step_time_s
+    assert (f"the fastest at CP=1 ({fastest_single.schedule.capitalize()} with TP=1") in result.reason
+    assert (f"takes {fastest_single.step_time_s:.1f} s/step, mostly recomputing activations in backward (at CP=1 "
+            f"it needs activation checkpointing to fit)") in result.reason
+
+
 def test_cp_degree_is_validated():
     work = _wan_720p()
     with pytest.raises(UserError, match="cp=3 does not divide the 8 GPUs per node"):
