@@ -82,7 +82,7 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dic
     opt_bytes = {"adamw": 2 * prec.storage_bytes, "sgd": prec.storage_bytes if work.momentum else 0}[work.optimizer]
     root = sum(lin.params for lin in arch.root)
     gathered = params if not work.reshard_after_forward else 2 * largest_block_params(arch, layout.tp) + root
-    # FSDP2 stages one block's unsharded gradient before reducing it; without FSDP (one data-parallel rank) the
+    # FSDP2 stages one block's unsharded gradient before reducing it; without FSDP (no rank outside TP) the
     # forward uses the stored parameters and backward writes straight into their gradients.
     block_grad = largest_block_params(arch, layout.tp) * prec.buffer_bytes if layout.fsdp else 0
     if not layout.fsdp:
