@@ -239,6 +239,16 @@ def tp_allreduce_elements(arch: ArchSpec, tokens: dict[str, int]) -> int:
     return sum(count * lin.out_features * tokens[lin.stream] for count, lin in layers if lin.tp == "row")
 
 
+def self_attention_exchange_elements(arch: ArchSpec, tokens: dict[str, int]) -> int:
+    """Elements of q, k, v and the output of every self-attention layer in one forward of one sample.
+
+    What context parallelism's all-to-alls move (``models/common/context_parallel.py``), before dividing by TP
+    and CP: 4 x S x hidden per layer, S the tokens of the layer's stream (FLUX: text + image in every block).
+    Cross-attention to the text needs no exchange (local queries against the full text).
+    """
+    return sum(b.count * 4 * tokens[q] * arch.hidden_size for b in arch.blocks for q, kv in b.attention if q == kv)
+
+
 def _lin(name: str, fan_in: int, fan_out: int, stream: str, tp: str = "replicated") -> LinearSpec:
     return LinearSpec(name=name, in_features=fan_in, out_features=fan_out, stream=stream, tp=tp)
 

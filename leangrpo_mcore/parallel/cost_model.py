@@ -1,15 +1,19 @@
 """Memory and time model of one optimizer step per rank, for each schedule and parallel layout (pure Python).
 
 Memory (bytes per GPU) is the maximum over the phases of a step (rollout, the schedule's update, gradient sync,
-optimizer step) of the tensors alive in that phase: sharded weights / gradients / optimizer state (FSDP divides
-them by ``dp_shard``, TP by ``tp`` for the head-parallel layers), the gathered working parameters, activations
-from the calibrated fit (:mod:`leangrpo_mcore.parallel.activations`), Reweight's unsharded provisional gradients,
-the rollout's working set and trajectory store, and fixed reservations (reward model, CUDA/NCCL overhead).
+optimizer step) of the tensors alive in that phase: sharded weights / gradients / optimizer state (FSDP2 divides
+them by ``dp_shard x cp``, TP by ``tp`` for the head-parallel layers), the gathered working parameters,
+activations from the calibrated fit (:mod:`leangrpo_mcore.parallel.activations`), Reweight's unsharded
+provisional gradients, the rollout's working set and trajectory store, and fixed reservations (reward model,
+CUDA/NCCL overhead). Context parallelism (``cp``) splits every sample's tokens, so the per-token terms
+(activations, working sets, Retain's graphs, trajectory latents) are divided by ``cp``; the unsharded gradients
+are not (each CP rank holds a full-size partial one).
 
-Time (seconds per optimizer step) adds compute (FLOPs over the GPU rate times an efficiency), FSDP all-gathers,
-TP all-reduces, gradient reduce-scatters (+ HSDP all-reduce across replicas), Reweight's gradient-buffer traffic,
-the optimizer and the reward. Communication is counted as exposed (not overlapped): a pessimistic model that
-ranks layouts the way the paper's measurements do (per-backward syncs are what coalescing removes).
+Time (seconds per optimizer step) adds compute (FLOPs over the GPU rate times an efficiency, divided by ``cp``),
+FSDP all-gathers, TP all-reduces, CP all-to-alls, gradient reduce-scatters (+ HSDP all-reduce across replicas),
+Reweight's gradient-buffer traffic, the optimizer and the reward. Communication is counted as exposed (not
+overlapped): a pessimistic model that ranks layouts the way the paper's measurements do (per-backward syncs are
+what coalescing removes).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from leangrpo_mcore.parallel.arch_specs import (
     largest_block_params,
     lora_params_per_rank,
     params_per_rank,
+    self_attention_exchange_elements,
     tp_allreduce_elements,
 )
 from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
@@ -69,7 +74,8 @@ def _for_schedule(work: Workload, layout: Layout, schedule: str) -> Workload:
 
 def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dict[str, int]:
     """Every memory term (bytes per GPU) the phases combine, and the counts that scale them."""
-    arch, prec, s, shape = work.arch, work.precision, layout.dp_shard, sample_shape(work, layout)
+    arch, prec, s, shape = work.arch, work.precision, layout.shard_ranks, sample_shape(work, layout)
+    cp = layout.cp
     params = params_per_rank(arch, layout.tp)
     trainable = params if work.full_finetune else lora_params_per_rank(
         arch, work.lora_rank, work.lora_targets, layout.tp)
@@ -77,21 +83,24 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dic
     opt_bytes = {"adamw": 2 * prec.storage_bytes, "sgd": prec.storage_bytes if work.momentum else 0}[work.optimizer]
     root = sum(lin.params for lin in arch.root)
     gathered = params if not work.reshard_after_forward else 2 * largest_block_params(arch, layout.tp) + root
-    # FSDP2 stages one block's unsharded gradient before reducing it; without FSDP (one data-parallel rank) the
+    # FSDP2 stages one block's unsharded gradient before reducing it; without FSDP (no rank outside TP) the
     # forward uses the stored parameters and backward writes straight into their gradients.
-    block_grad = largest_block_params(arch, layout.tp) * prec.buffer_bytes if layout.dp > 1 else 0
-    if layout.dp == 1:
+    block_grad = largest_block_params(arch, layout.tp) * prec.buffer_bytes if layout.fsdp else 0
+    if not layout.fsdp:
         gathered = 0
     cfg = 2 if work.cfg else 1
     batch = shape.micro_batch * cfg
     dtype = 2 if prec.compute_bytes <= 2 else 4
+    # CP: a rank holds 1/cp of every sample's tokens, so its activations and working sets are 1/cp of the fit's.
     fit = {"tp": layout.tp, "lora_rank": _fitted_lora_rank(work)}
-    per_sample_step = act.saved_bytes(arch, work.tokens, batch=cfg, dtype_bytes=dtype, checkpointing=ac, **fit)
-    working = act.working_bytes(arch, work.tokens, batch=batch, dtype_bytes=prec.compute_bytes)
-    recompute = act.block_saved_bytes(arch, work.tokens, batch=batch, dtype_bytes=dtype, **fit) if ac else 0
+    per_sample_step = -(-act.saved_bytes(arch, work.tokens, batch=cfg, dtype_bytes=dtype, checkpointing=ac,
+                                         **fit) // cp)
+    working = -(-act.working_bytes(arch, work.tokens, batch=batch, dtype_bytes=prec.compute_bytes) // cp)
+    recompute = -(-act.block_saved_bytes(arch, work.tokens, batch=batch, dtype_bytes=dtype, **fit) // cp) if ac else 0
     text_width = next(lin.in_features for lin in arch.root if lin.stream == "text")
-    # A trajectory keeps fp32 latents for every step (docs/algorithms.md §7) and the prompt's text embeddings.
-    trajectory = 4 * (work.num_steps + 1) * arch.latent_elements(work.tokens) * cfg
+    # A trajectory keeps fp32 latents for every step (docs/algorithms.md §7), each CP rank its piece
+    # (parallel/sequence.py), and the prompt's text embeddings.
+    trajectory = -(-4 * (work.num_steps + 1) * arch.latent_elements(work.tokens) * cfg // cp)
     trajectory += work.tokens["text"] * text_width * prec.compute_bytes
     return {
         "weights": math.ceil((trainable * prec.storage_bytes + frozen * prec.compute_bytes) / s),
@@ -158,7 +167,7 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
     }
     if _coalesced(work, schedule) or work.updates_per_rollout > 1:
         # Reducing the unsharded gradient into the sharded one holds both; one data-parallel rank just moves it.
-        staged = m["gradient_buffer"] if layout.dp > 1 else 0
+        staged = m["gradient_buffer"] if layout.fsdp else 0
         phases["gradient_sync"] = {**base, "grads": m["grads"], "unsharded_grads": staged}
     if schedule == "native" or work.updates_per_rollout > 1:
         phases["native_update"] = {
@@ -206,26 +215,34 @@ class _Rates:
     forward: float
     backward: float
     tp_per_pass: float
+    cp_forward: float
+    cp_backward: float
 
 
 def _rates(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> _Rates:
-    """Seconds of one forward and one backward of one sample (CFG included), and of its TP all-reduces."""
+    """Seconds of one forward and one backward of one sample (CFG included) on one rank, and of its TP
+    all-reduces and CP all-to-alls (a rank holds 1/cp of the sample's tokens)."""
     flops = forward_flops(work.arch, work.tokens, layout.tp)
-    cfg = 2 if work.cfg else 1
+    cfg, cp, tp = (2 if work.cfg else 1), layout.cp, layout.tp
     rate = hw.gpu_tflops * 1e12 * hw.efficiency
-    linear = cfg * flops["linear"] / (rate * work.precision.matmul_speedup)
-    attention = cfg * flops["attention"] / rate
+    linear = cfg * flops["linear"] / (rate * work.precision.matmul_speedup) / cp
+    attention = cfg * flops["attention"] / rate / cp
     # Backward: input gradients (1x) + weight gradients (1x, frozen LoRA bases skip theirs); attention 2x.
     backward = (2.0 if work.full_finetune else 1.0) * linear + 2.0 * attention + (linear + attention if ac else 0.0)
-    elems = tp_allreduce_elements(work.arch, work.tokens) * cfg
-    tp_bytes = 2.0 * (layout.tp - 1) / layout.tp * elems * work.precision.compute_bytes
-    return _Rates(linear + attention, backward, tp_bytes / (hw.intra_node_gbps * 1e9))
+    elems = tp_allreduce_elements(work.arch, work.tokens) * cfg / cp
+    tp_bytes = 2.0 * (tp - 1) / tp * elems * work.precision.compute_bytes
+    # Ulysses: q, k, v out and the output back, (cp - 1)/cp of the rank's S/cp x H/tp x D each, per
+    # self-attention layer; backward the same (+ the recomputed forward's under checkpointing).
+    exchanged = self_attention_exchange_elements(work.arch, work.tokens) * cfg / (cp * tp)
+    cp_forward = (cp - 1) / cp * exchanged * work.precision.compute_bytes / (hw.intra_node_gbps * 1e9)
+    return _Rates(linear + attention, backward, tp_bytes / (hw.intra_node_gbps * 1e9), cp_forward,
+                  cp_forward * (2.0 if ac else 1.0))
 
 
 def _sync_seconds(work: Workload, hw: Hardware, layout: Layout, trainable: int) -> float:
     """One gradient synchronisation: reduce-scatter in the node, all-reduce of the shard across replicas."""
     payload = trainable * work.precision.buffer_bytes
-    s, r = layout.dp_shard, layout.dp_replicate
+    s, r = layout.shard_ranks, layout.dp_replicate
     seconds = (s - 1) / s * payload / (hw.intra_node_gbps * 1e9)
     replica_bw = hw.inter_node_gbps if hw.nodes > 1 else hw.intra_node_gbps
     return seconds + 2.0 * (r - 1) / r * payload / s / (replica_bw * 1e9)
@@ -256,7 +273,8 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
     # Reweight runs each trained sample's forward and backward alone (batch 1) whatever the micro-batch B: B
     # per-sample forwards and backwards, the work charged per sample below (no B backwards of a batched graph).
     params = params_per_rank(work.arch, layout.tp) * work.precision.compute_bytes
-    gather = (layout.dp_shard - 1) / layout.dp_shard * params / (hw.intra_node_gbps * 1e9)
+    shards = layout.shard_ranks
+    gather = (shards - 1) / shards * params / (hw.intra_node_gbps * 1e9)
     gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
     if schedule == "reweight" and work.reshard_after_forward:  # the per-sample passes gather once per sample
         alone = steps * (2 if kl else 1)
@@ -268,7 +286,7 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
     if schedule == "reweight":
         passes += shape.groups_per_rank * (shape.generations_per_rank + 1)
     buffer_traffic = passes * grad_bytes / (hw.hbm_gbps * 1e9)
-    optimizer_bytes = trainable / layout.dp_shard * (4 * work.precision.storage_bytes + work.precision.grad_bytes)
+    optimizer_bytes = trainable / shards * (4 * work.precision.storage_bytes + work.precision.grad_bytes)
     return {
         "rollout": n * work.num_steps * rates.forward,
         "recompute": n * steps * rates.forward * ((1 if schedule == "native" else 0) + extra),
@@ -276,6 +294,7 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
         "backward": n * backwards * rates.backward,
         "fsdp_all_gather": gathers * gather,
         "tp_all_reduce": n * (forwards + backwards) * rates.tp_per_pass,
+        "cp_all_to_all": n * (forwards * rates.cp_forward + backwards * rates.cp_backward),
         "grad_sync": _sync_count(work, shape, schedule) * _sync_seconds(work, hw, layout, trainable),
         "grad_buffers": buffer_traffic,
         "optimizer": work.updates_per_rollout * optimizer_bytes / (hw.hbm_gbps * 1e9),
@@ -322,7 +341,7 @@ def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bo
     except UserError as err:
         return Estimate(schedule, layout, ac, None, feasible=False, note=str(err))
     prec = work.precision
-    if prec.storage_bytes != prec.compute_bytes and layout.dp_shard * layout.dp_replicate == 1:
+    if prec.storage_bytes != prec.compute_bytes and not layout.fsdp:
         # the trainer refuses it too: only FSDP2 casts master weights to the compute dtype
         return Estimate(schedule, layout, ac, shape, feasible=False,
                         note="no data-parallel ranks: nothing casts the fp32 master weights to the compute dtype")
@@ -333,6 +352,7 @@ def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bo
     est.fits = hw.gpu_mem_bytes is None or est.peak_mem_bytes <= hw.gpu_mem_bytes
     terms = _memory_terms(work, hw, layout, ac)
     est.details = {"activations_per_step_bytes": terms["activations_step"],
+                   "activations_per_sample_bytes": terms["activations_sample_step"],
                    "gradient_bytes": terms["gradient_buffer"],
                    "provisional_grad_bytes": terms["gradient_buffer"] * terms["buffers"] if schedule == "reweight"
                    else 0}

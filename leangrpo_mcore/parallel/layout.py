@@ -1,11 +1,12 @@
-"""The layout planner: pick the schedule, TP / FSDP / HSDP degrees and the placement of prompt groups.
+"""The layout planner: pick the schedule, TP / CP / FSDP / HSDP degrees and the placement of prompt groups.
 
 Pure Python (no torch.distributed). Candidates are every TP size dividing both the attention heads and the GPUs
-per node, every FSDP shard degree filling part or all of the rest of a node, HSDP replicas across the remaining
-GPUs, each schedule (Native, Retain, Reweight) and, unless the experiment fixes it, activation checkpointing on
-and off. :mod:`leangrpo_mcore.parallel.cost_model` predicts each candidate's peak memory and step time; the
-fastest that fits wins, and the plan explains the choice against the best of the other schedules. When nothing
-fits the plan refuses, naming the smallest peak and what dominates it.
+per node, every CP (context-parallel) size dividing the heads per TP rank with TP x CP inside a node, every FSDP
+shard degree filling part or all of the rest of a node, HSDP replicas across the remaining GPUs, each schedule
+(Native, Retain, Reweight) and, unless the experiment fixes it, activation checkpointing on and off.
+:mod:`leangrpo_mcore.parallel.cost_model` predicts each candidate's peak memory and step time; the fastest that
+fits wins, and the plan explains the choice against the best of the other schedules (and, with CP > 1, against
+CP = 1). When nothing fits the plan refuses, naming the smallest peak and what dominates it.
 
 :func:`plan_for_config` is what the trainer calls for ``schedule.name: auto``; :func:`predict_memory` gives the
 predicted peak of each schedule for a config as written (for comparing with a measured peak).
@@ -18,17 +19,21 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config, load_arch, preset_config
+from leangrpo_mcore.parallel.config_workload import (  # noqa: F401 (the config entry points, re-exported)
+    DEFAULT_TEXT_TOKENS,
+    HASHED_TEXT_TOKENS,
+    precision_from_config,
+    workload_from_config,
+)
 from leangrpo_mcore.parallel.cost_model import Estimate, estimate
-from leangrpo_mcore.parallel.workload import SCHEDULES, GiB, Hardware, Layout, Precision, Workload
+from leangrpo_mcore.parallel.workload import SCHEDULES, GiB, Hardware, Layout, Workload
 from leangrpo_mcore.parallel.placement import Placement, place
 
-DEFAULT_TEXT_TOKENS = 512  # T5 / UMT5 maximum length of the released FLUX and Wan pipelines
-HASHED_TEXT_TOKENS = 16  # the hashed CPU text embedder's length (``engine.build.HASHED_TEXT_LENGTH``)
 _WORDS = {
     "rollout": "rollout forwards", "recompute": "recomputing the selected steps",
     "reference_forward": "reference forwards", "backward": "backward passes",
     "fsdp_all_gather": "FSDP all-gathers", "tp_all_reduce": "TP all-reduces",
+    "cp_all_to_all": "context-parallel all-to-alls",
     "grad_sync": "gradient synchronisation", "grad_buffers": "gradient-buffer traffic",
     "optimizer": "the optimizer", "reward": "rewards", "provisional_grads": "provisional gradients",
     "activations": "activations", "weights": "weights",
@@ -80,7 +85,7 @@ def candidate_dict(est: Estimate) -> dict[str, Any]:
     """One candidate as JSON: the documented JSON keys plus checkpointing, shape and notes."""
     shape = est.shape
     return {
-        "schedule": est.schedule, "tp": est.layout.tp, "dp_shard": est.layout.dp_shard,
+        "schedule": est.schedule, "tp": est.layout.tp, "cp": est.layout.cp, "dp_shard": est.layout.dp_shard,
         "dp_replicate": est.layout.dp_replicate, "activation_checkpointing": est.activation_checkpointing,
         "generations_per_rank": shape.generations_per_rank if shape else None,
         "worker_groups": shape.worker_groups if shape else None,
@@ -96,28 +101,59 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_cp(cp: int, num_heads: int, hw: Hardware, tp: Optional[int] = None) -> None:
+    """One-line UserError unless a CP group of ``cp`` ranks can split the heads (per TP rank) inside a node."""
+    g = hw.gpus_per_node
+    if cp < 1:
+        raise UserError(f"cp must be >= 1, got {cp}")
+    if g % cp:
+        raise UserError(f"cp={cp} does not divide the {g} GPUs per node (a CP group stays inside a node)")
+    if tp is not None and (g % (tp * cp) or num_heads % (tp * cp)):
+        raise UserError(f"cp={cp} with tp={tp}: tp x cp must divide both the {g} GPUs per node and the "
+                        f"{num_heads} attention heads")
+    if num_heads % cp:
+        raise UserError(f"cp={cp} does not divide the {num_heads} attention heads (Ulysses splits the heads)")
+
+
 def enumerate_layouts(num_heads: int, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Optional[int] = None,
-                      dp_replicate: Optional[int] = None) -> list[Layout]:
-    """TP | heads and TP | GPUs per node; TP x dp_shard inside a node; dp_replicate the rest (fixed ones kept)."""
+                      dp_replicate: Optional[int] = None, cp: Optional[int] = None) -> list[Layout]:
+    """TP | heads and TP | GPUs per node; CP | heads / TP; TP x CP x dp_shard inside a node; dp_replicate the
+    rest (fixed ones kept; ``cp=None`` tries every CP degree)."""
+    if cp is not None:
+        check_cp(cp, num_heads, hw, tp)
     out = []
     for t in divisors(hw.gpus_per_node):
         if num_heads % t or (tp is not None and t != tp):
             continue
-        for s in divisors(hw.gpus_per_node // t):
-            r = hw.world_size // (t * s)
-            if (dp_shard is None or s == dp_shard) and (dp_replicate is None or r == dp_replicate):
-                out.append(Layout(t, s, r))
+        for c in divisors(hw.gpus_per_node // t):
+            if (num_heads // t) % c or (cp is not None and c != cp):
+                continue
+            for s in divisors(hw.gpus_per_node // (t * c)):
+                r = hw.world_size // (t * c * s)
+                if (dp_shard is None or s == dp_shard) and (dp_replicate is None or r == dp_replicate):
+                    out.append(Layout(t, s, r, c))
     if not out:
-        raise UserError(f"no layout with tp={tp}, dp_shard={dp_shard}, dp_replicate={dp_replicate} on "
-                        f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs ({num_heads} heads; TP and dp_shard "
+        raise UserError(f"no layout with tp={tp}, cp={cp}, dp_shard={dp_shard}, dp_replicate={dp_replicate} on "
+                        f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs ({num_heads} heads; TP x CP x dp_shard "
                         f"must divide the GPUs per node)")
     return out
 
 
 def plan(work: Workload, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Optional[int] = None,
-         dp_replicate: Optional[int] = None, schedules: tuple[str, ...] = SCHEDULES) -> Plan:
-    """Evaluate every candidate and choose the fastest that fits (or refuse, with the reason)."""
-    layouts = enumerate_layouts(work.arch.num_heads, hw, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+         dp_replicate: Optional[int] = None, cp: Optional[int] = None,
+         schedules: tuple[str, ...] = SCHEDULES) -> Plan:
+    """Evaluate every candidate and choose the fastest that fits (or refuse, with the reason).
+
+    ``cp=None`` tries every context-parallel degree, except under ``reward.async_scoring`` (which the trainer
+    refuses with CP): then only CP = 1.
+    """
+    if work.async_scoring:
+        if cp is not None and cp > 1:
+            raise UserError(f"reward.async_scoring with parallel.cp={cp} is not supported by the trainer: set "
+                            f"one of them off")
+        cp = 1
+    layouts = enumerate_layouts(work.arch.num_heads, hw, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
+                                cp=cp)
     ac_options = (False, True) if work.activation_checkpointing is None else (work.activation_checkpointing,)
     cands = [estimate(work, hw, lay, sched, ac) for lay in layouts for sched in schedules for ac in ac_options]
     order = {name: i for i, name in enumerate(("reweight", "retain", "native"))}
@@ -129,9 +165,48 @@ def plan(work: Workload, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Op
     placement = place(best.layout, hw, best.shape, work.group_size, work.prompts_per_step,
                       conventional=work.layout == "conventional")
     reason = explain(best, cands, work, hw, placement)
+    if best.layout.cp > 1:
+        reason += " " + _cp_words(best, cands, work, hw)
     if best.schedule == "reweight":
         reason += " " + _reweight_words(work)
     return Plan(best.schedule, reason, best, cands, placement, hw, work)
+
+
+def _cp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardware) -> str:
+    """Why the chosen layout splits each sample over CP ranks, and how to run it (the trainer needs the schedule
+    named: ``schedule.name=auto`` refuses ``parallel.cp > 1``)."""
+    c = best.layout.cp
+    tokens = work.tokens[work.arch.blocks[0].stream]
+    text = f"CP={c} splits each sample's {tokens} tokens over {c} GPUs"
+    considered = [x for x in cands if x.layout.cp == 1]
+    single = [x for x in considered if x.feasible]
+    fits = [x for x in single if x.fits]
+    if not considered:
+        text += " (the degree asked for)."
+    elif not single:
+        text += f": no CP=1 layout is feasible ({considered[0].note})."
+    elif not fits:
+        low = min(single, key=lambda x: x.peak_mem_bytes)
+        same = [x for x in single if (x.schedule, x.layout.tp, x.activation_checkpointing)
+                == (best.schedule, best.layout.tp, best.activation_checkpointing)]
+        text += (f": nothing fits at CP=1 (smallest peak {_gib(low.peak_mem_bytes)} of {_gib(hw.gpu_mem_bytes)}: "
+                 f"{low.schedule.capitalize()} with {describe_layout(low, work)}; largest terms: {_top(low.memory)})")
+        if same:
+            text += (f"; one sample's activations per trained step are "
+                     f"{_gib(same[0].details['activations_per_sample_bytes'])} at CP=1 and "
+                     f"{_gib(best.details['activations_per_sample_bytes'])} here")
+        text += "."
+    else:
+        other = min(fits, key=lambda x: x.step_time_s)
+        diff = {k: other.time.get(k, 0.0) - best.time.get(k, 0.0) for k in other.time}
+        worst = max(diff, key=diff.get)
+        words = _WORDS.get(worst, worst)
+        if worst == "backward" and other.activation_checkpointing and not best.activation_checkpointing:
+            words = "recomputing activations in backward (at CP=1 it needs activation checkpointing to fit)"
+        text += (f": the fastest at CP=1 ({other.schedule.capitalize()} with {describe_layout(other, work)}) takes "
+                 f"{other.step_time_s:.1f} s/step, mostly {words} (+{diff[worst]:.1f} s).")
+    return text + (f" Run it with schedule.name={best.schedule} parallel.cp={c} (schedule.name=auto refuses "
+                   f"parallel.cp > 1).")
 
 
 def _reweight_words(work: Workload) -> str:
@@ -150,7 +225,11 @@ def _gib(n: float) -> str:
 def describe_layout(est: Estimate, work: Workload) -> str:
     """Words for a candidate's layout: degrees, group sharing and checkpointing."""
     lay, shape = est.layout, est.shape
-    parts = [f"TP={lay.tp}", f"FSDP over {lay.dp_shard}"]
+    parts = [f"TP={lay.tp}"]
+    if lay.cp > 1:
+        parts += [f"CP={lay.cp}", f"FSDP over {lay.shard_ranks} (dp_shard {lay.dp_shard} x CP {lay.cp})"]
+    else:
+        parts.append(f"FSDP over {lay.dp_shard}")
     if lay.dp_replicate > 1:
         parts.append(f"{lay.dp_replicate} HSDP replicas")
     if shape is not None and work.layout == "shared":
@@ -221,85 +300,6 @@ def refusal(cands: list[Estimate], hw: Hardware, work: Workload) -> str:
             f"generations per rank or a smaller micro-batch / resolution")
 
 
-# ---------------------------------------------------------------------------------------------- experiment configs
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def precision_from_config(config: Any) -> Precision:
-    """Bytes per tensor kind implied by ``model.dtype`` (compute), ``model.master_dtype``, ``model.fp8``,
-    ``parallel.reduce_dtype`` and ``schedule.provisional_dtype``."""
-    master = _DTYPE_BYTES[config.model.master_dtype or "float32"]
-    compute = _DTYPE_BYTES[config.model.dtype]
-    # The unsharded gradients wait in the provisional dtype (default: the reduce dtype, which is what FSDP2
-    # accumulates in whenever it casts the forwards).
-    provisional = config.schedule.provisional_dtype or config.parallel.reduce_dtype
-    buffer = _DTYPE_BYTES[provisional] if compute < master or config.schedule.provisional_dtype else master
-    name = "fp8" if config.model.fp8 else ("fp32" if compute == 4 else "bf16")
-    return Precision(name, master, compute, master, buffer, matmul_speedup=2.0 if config.model.fp8 else 1.0)
-
-
-def selected_steps_of(config: Any) -> int:
-    """|S| per sample (the counts of ``leangrpo_mcore.diffusion.selection.num_selected``, kept torch-free)."""
-    grpo, steps = config.grpo, config.sampler.num_steps
-    if grpo.timestep_selection == "flow_grpo":
-        count = int(steps * grpo.timestep_fraction)
-    elif grpo.timestep_selection == "dance_grpo":
-        count = int((steps - 1) * grpo.timestep_fraction)
-    else:
-        count = config.sampler.sde_window_size
-    if count < 1:
-        raise UserError(f"grpo.timestep_selection={grpo.timestep_selection} selects no step of {steps}")
-    return count
-
-
-def reweight_plan_of(config: Any):
-    """The schedule's own Reweight plan for ``config`` (accumulation after any fallback, global fold, note)."""
-    # Imported lazily (torch): the schedule's own rule for when affine accumulation falls back to per-sample.
-    from leangrpo_mcore.schedules.reweight import plan_reweight
-
-    g = config.grpo
-    return plan_reweight(config.schedule.reweight_accumulate, advantage=g.advantage, group_size=g.group_size,
-                         prompts_per_step=g.prompts_per_step, adv_clip_max=g.adv_clip_max, global_std=g.global_std)
-
-
-def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, reward_seconds: float = 0.0,
-                         reward_mem_gb: float = 0.0, decode_bytes: int = 0) -> Workload:
-    """The :class:`Workload` of an experiment config, as written.
-
-    ``text_tokens`` defaults to the text encoder's length: ``model.text_max_length`` (T5 / UMT5: 512), 16 for the
-    hashed CPU embedder.
-    """
-    m, s = config.model, config.sampler
-    if m.path:
-        arch = load_arch(m.path)
-    elif m.preset:
-        try:
-            arch = arch_from_config(m.family, {**preset_config(m.family, m.preset), **m.arch}, m.preset)
-        except ValueError as err:  # the models registry reports unknown families / presets as ValueError
-            raise UserError(str(err)) from None
-    else:
-        raise UserError("model: set model.path or model.preset to plan")
-    if text_tokens is None:
-        text_tokens = HASHED_TEXT_TOKENS if m.text_encoder == "hashed" else m.text_max_length
-    tokens = arch.tokens(s.height, s.width, s.frames, text_tokens)
-    # null targets: the family's default set (as ``engine.build`` resolves them)
-    targets = DEFAULT_LORA_TARGETS[arch.family] if m.lora.targets is None else tuple(m.lora.targets)
-    return Workload(
-        arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=selected_steps_of(config),
-        group_size=config.grpo.group_size, prompts_per_step=config.grpo.prompts_per_step,
-        micro_batch=config.schedule.micro_batch, lora_rank=m.lora.rank, lora_targets=targets,
-        precision=precision_from_config(config), activation_checkpointing=m.activation_checkpointing,
-        kl_beta=config.grpo.kl_beta, cfg=s.cfg_scale > 1.0, updates_per_rollout=config.grpo.updates_per_rollout,
-        reward_seconds=reward_seconds, reward_mem_bytes=int(reward_mem_gb * GiB), decode_bytes=decode_bytes,
-        optimizer=config.optim.name,
-        momentum=config.optim.momentum, reshard_after_forward=config.parallel.reshard_after_forward,
-        selection=config.grpo.timestep_selection,
-        reweight_accumulate=reweight_plan_of(config).accumulate, coalesce_sync=config.schedule.coalesce_sync,
-        global_std=config.grpo.global_std, reweight_global_fold=reweight_plan_of(config).global_fold,
-        reweight_note=reweight_plan_of(config).note,
-        layout=config.parallel.layout)
-
-
 def _gpus_per_node(world_size: int, gpus_per_node: Optional[int]) -> int:
     if gpus_per_node is None:
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -318,9 +318,9 @@ def plan_for_config(config: Any, world_size: int, *, gpus_per_node: Optional[int
     """Plan ``config`` on ``world_size`` ranks (``schedule.name: auto``); :class:`PlanError` when nothing fits.
 
     ``gpus_per_node`` defaults to ``$LOCAL_WORLD_SIZE`` (else one node); ``gpu_mem_gb`` None means unlimited
-    memory (the plan then only compares time). The config's ``parallel.tp``, activation checkpointing and any
-    integer ``dp_shard`` / ``dp_replicate`` are kept; ``auto`` degrees are chosen. Extra keyword arguments
-    set :class:`Hardware` fields (e.g. ``gpu_tflops``, ``inter_node_gbps``).
+    memory (the plan then only compares time). The config's ``parallel.tp``, ``parallel.cp``, activation
+    checkpointing and any integer ``dp_shard`` / ``dp_replicate`` are kept; ``auto`` degrees are chosen. Extra
+    keyword arguments set :class:`Hardware` fields (e.g. ``gpu_tflops``, ``inter_node_gbps``).
     """
     if world_size < 1:
         raise UserError(f"world size must be >= 1, got {world_size}")
@@ -328,7 +328,7 @@ def plan_for_config(config: Any, world_size: int, *, gpus_per_node: Optional[int
     mem = None if gpu_mem_gb is None else int(gpu_mem_gb * GiB)
     hw = Hardware(nodes=world_size // g, gpus_per_node=g, gpu_mem_bytes=mem, **hardware)
     p = config.parallel
-    result = plan(workload_from_config(config), hw, tp=p.tp, dp_shard=_fixed(p.dp_shard),
+    result = plan(workload_from_config(config), hw, tp=p.tp, cp=p.cp, dp_shard=_fixed(p.dp_shard),
                   dp_replicate=_fixed(p.dp_replicate))
     return result.require()
 
@@ -337,18 +337,18 @@ def predict_memory(config: Any, *, world_size: int = 1, text_tokens: Optional[in
                    overhead_bytes: int = 0, decode_bytes: int = 0, device: str = "cuda") -> dict[str, Estimate]:
     """Predicted memory of every schedule for ``config`` as written, on one node of ``world_size`` ranks.
 
-    Degrees come from the config (``auto``: dp_replicate 1, dp_shard the rest). The default excludes the CUDA
-    overhead, so the peak counts tensor bytes only, as a tensor-level meter sees them; each estimate's
+    Degrees come from the config (``auto``: dp_replicate 1, dp_shard the rest after TP and CP). The default
+    excludes the CUDA overhead, so the peak counts tensor bytes only, as a tensor-level meter sees them; each estimate's
     ``memory`` dict splits its peak phase into terms (weights, optimizer, activations, ...). ``decode_bytes`` is
     the transient memory of decoding and scoring one micro-batch (the VAE and reward model are inputs of the
     planner, not derived by it). ``device="cpu"`` models torch's CPU optimizer (one parameter at a time).
     """
     p = config.parallel
     r = _fixed(p.dp_replicate) or 1
-    s = _fixed(p.dp_shard) or world_size // (p.tp * r)
-    if p.tp * s * r != world_size:
-        raise UserError(f"tp {p.tp} x dp_shard {s} x dp_replicate {r} != world size {world_size}")
-    layout = Layout(p.tp, s, r)
+    s = _fixed(p.dp_shard) or world_size // (p.tp * p.cp * r)
+    if p.tp * p.cp * s * r != world_size:
+        raise UserError(f"tp {p.tp} x cp {p.cp} x dp_shard {s} x dp_replicate {r} != world size {world_size}")
+    layout = Layout(p.tp, s, r, p.cp)
     hw = Hardware(nodes=1, gpus_per_node=world_size, overhead_bytes=overhead_bytes)
     work = workload_from_config(config, text_tokens=text_tokens, decode_bytes=decode_bytes)
     work = replace(work, foreach_optimizer=device != "cpu")

@@ -1,9 +1,11 @@
-"""Where every rank sits in a plan: node, TP rank, FSDP/HSDP coordinates, worker group and generations.
+"""Where every rank sits in a plan: node, TP and CP rank, FSDP/HSDP coordinates, worker group and generations.
 
-Global rank = node x gpus_per_node + local rank. Tensor parallelism varies fastest (megatron-core's order), so a
-TP group is ``tp`` consecutive local ranks and never leaves a node (the planner only picks TP sizes dividing
-the GPUs per node). The data-parallel index is ``rank // tp``; FSDP shards over ``dp_shard`` consecutive
-data-parallel indices (inside a node by construction) and HSDP replicates across the rest (a (replicate, shard)
+Global rank = node x gpus_per_node + local rank. Tensor parallelism varies fastest, then context parallelism
+(megatron-core's order, ``parallel/mesh.py``), so a TP group is ``tp`` consecutive local ranks and a CP group
+``cp`` ranks ``tp`` apart among ``tp x cp`` consecutive ones, never leaving a node (the planner only picks
+TP x CP dividing the GPUs per node). The data-parallel index is ``rank // (tp x cp)``; the CP ranks of an index
+make the same generations. FSDP shards over ``dp_shard`` consecutive data-parallel indices (x CP; inside a node
+by construction) and HSDP replicates across the rest (a (replicate, shard)
 device mesh). Prompt groups follow ``leangrpo_mcore.parallel.groups``: with M >= R generations every rank holds
 every prompt and makes generations q·R + r; with M < R, worker groups of M consecutive data-parallel indices
 each take one prompt at a time, so a group's reward all-gather stays inside one node whenever M·tp fits in it.
@@ -24,6 +26,7 @@ class RankPlacement:
     node: int
     local_rank: int
     tp_rank: int
+    cp_rank: int
     dp_rank: int
     dp_shard: int
     dp_replicate: int
@@ -57,11 +60,11 @@ class Placement:
 def place(layout: Layout, hw: Hardware, shape: Shape, group_size: int, prompts_per_step: int,
           conventional: bool = False) -> Placement:
     """The rank table of ``layout`` on ``hw`` for groups of ``group_size`` (see the module doc)."""
-    g, tp, dp = hw.gpus_per_node, layout.tp, layout.dp
+    g, tp, cp, dp = hw.gpus_per_node, layout.tp, layout.cp, layout.dp
     rows = []
     for rank in range(hw.world_size):
         node, local = divmod(rank, g)
-        dp_rank = rank // tp
+        dp_rank = rank // (tp * cp)
         if conventional:
             worker, gens = dp_rank, tuple(range(group_size))
             slots = tuple(range(dp_rank, prompts_per_step, dp))
@@ -69,8 +72,8 @@ def place(layout: Layout, hw: Hardware, shape: Shape, group_size: int, prompts_p
             worker, member = divmod(dp_rank, shape.ranks_per_group)
             gens = tuple(range(member, group_size, shape.ranks_per_group))
             slots = tuple(range(worker, prompts_per_step, shape.worker_groups))
-        rows.append(RankPlacement(rank, node, local, rank % tp, dp_rank, dp_rank % layout.dp_shard,
-                                  dp_rank // layout.dp_shard, worker, gens, slots))
+        rows.append(RankPlacement(rank, node, local, rank % tp, (rank // tp) % cp, dp_rank,
+                                  dp_rank % layout.dp_shard, dp_rank // layout.dp_shard, worker, gens, slots))
     nodes_per_group = {}
     for row in rows:
         nodes_per_group.setdefault(row.worker_group, set()).add(row.node)
@@ -78,7 +81,7 @@ def place(layout: Layout, hw: Hardware, shape: Shape, group_size: int, prompts_p
     return Placement(
         ranks=tuple(rows),
         tp_groups_intra_node=g % tp == 0,
-        fsdp_groups_intra_node=g % (tp * layout.dp_shard) == 0,
+        fsdp_groups_intra_node=g % (tp * cp * layout.dp_shard) == 0,
         group_gather_intra_node=spans == 1,
         group_gather_nodes=spans,
     )

@@ -58,8 +58,8 @@ def candidate_config(config: Config, est: Estimate) -> Config:
     if config.model.fp8 is not None:
         raise UserError("--simulate runs on the CPU without Transformer Engine: simulate the bf16 equivalent "
                         "(model.fp8=null); the planner budgets FP8 activations as bf16 too")
-    parallel = dataclasses.replace(config.parallel, tp=est.layout.tp, dp_shard=est.layout.dp_shard,
-                                   dp_replicate=est.layout.dp_replicate)
+    parallel = dataclasses.replace(config.parallel, tp=est.layout.tp, cp=est.layout.cp,
+                                   dp_shard=est.layout.dp_shard, dp_replicate=est.layout.dp_replicate)
     model = dataclasses.replace(config.model, backend="local", activation_checkpointing=est.activation_checkpointing)
     schedule = dataclasses.replace(config.schedule, name=est.schedule)
     return dataclasses.replace(config, parallel=parallel, model=model, schedule=schedule)
@@ -108,7 +108,7 @@ def simulate_plan(plan: Plan, config: Config, which: str, progress: Optional[cal
     for n, index in enumerate(chosen):
         est = plan.candidates[index]
         if progress is not None:
-            progress(f"simulating {n + 1}/{len(chosen)}: {est.schedule} tp={est.layout.tp} "
+            progress(f"simulating {n + 1}/{len(chosen)}: {est.schedule} tp={est.layout.tp} cp={est.layout.cp} "
                      f"dp_shard={est.layout.dp_shard} dp_replicate={est.layout.dp_replicate} "
                      f"checkpointing={'on' if est.activation_checkpointing else 'off'}")
         results[index] = simulate_candidate(config, est, plan)

@@ -124,6 +124,8 @@ class Workload:
     layout: str = "shared"
     reweight_note: str = ""
     """Why Reweight's accumulation fell back from ``affine`` (empty when it did not)."""
+    async_scoring: bool = False
+    """reward.async_scoring (the trainer refuses it with context parallelism, so the planner offers no cp > 1)."""
 
     def __post_init__(self) -> None:
         if min(self.num_steps, self.selected_steps, self.group_size, self.prompts_per_step, self.micro_batch) < 1:
@@ -141,16 +143,31 @@ class Workload:
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel degrees: TP inside a node, FSDP sharding inside a node, HSDP replicas across the rest."""
+    """Parallel degrees: TP and CP inside a node, FSDP sharding inside a node, HSDP replicas across the rest.
+
+    World size = tp x cp x dp_shard x dp_replicate (``parallel/mesh.py``). The cp ranks of a data-parallel index
+    split every sample's tokens and make the same samples; FSDP2 shards over dp_shard x cp of them.
+    """
 
     tp: int
     dp_shard: int
     dp_replicate: int
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        """Data-parallel ranks R."""
+        """Data-parallel ranks R (the CP ranks of a sample count once)."""
         return self.dp_shard * self.dp_replicate
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP2 shards parameters, gradients and optimizer state over (dp_shard x cp)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def fsdp(self) -> bool:
+        """True when FSDP2 wraps the policy (more than one rank outside the TP group)."""
+        return self.dp * self.cp > 1
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,6 @@ def test_cp2_schedules_equal_world_size_1():
 
 
 def test_cp2_tp2_schedules_equal_world_size_1():
-    cases = {f"flux_{s}": FLUX_TP.but(schedule=s, cp=2, tp=2) for s in ("native", "reweight")}
+    cases = {f"flux_{s}": FLUX_TP.but(schedule=s, cp=2, tp=2) for s in SCHEDULES}
     ranks = run_ranks(_cp_runs, 4, cases, timeout=300)
     _check(ranks, _reference(cases), other_cp_rank=2)  # global ranks 0, 1 are TP peers; 2 is CP rank 1

@@ -1,10 +1,12 @@
-"""A world-size-2 FSDP2 checkpoint continues at world size 1, at TP=2 and at CP=2 as the world-size-2 run does.
+"""A world-size-2 FSDP2 checkpoint continues at world size 1, at TP=2 and at CP=2 as the world-size-2 run does,
+and a CP=2 checkpoint continues at world size 1 and at data parallelism 2 as the CP=2 run does.
 
-The reference run trains 3 steps at world size 2 (FSDP2 over both ranks) and saves after steps 2 and 3. Its
-step-2 checkpoint is then resumed at world size 1, at ``parallel.tp=2`` and at ``parallel.cp=2`` (2 ranks, no
-data parallelism); the weights after step 3 must equal the reference's within 1e-5 relative (fp32), and the
-update of step 3 must point the same way. The reward is smooth in the pixels: layouts differ by fp32 rounding, which a JPEG size can turn
-into different advantages.
+The reference run trains 3 steps at world size 2 (FSDP2 over both ranks) and saves after steps 2 and 3. Its step-2
+checkpoint is then resumed at world size 1, at ``parallel.tp=2`` and at ``parallel.cp=2`` (2 ranks, no data
+parallelism); the weights after step 3 must equal the reference's within 1e-5 relative (fp32), and the update of
+step 3 must point the same way. The other direction starts from a 3-step ``parallel.cp=2`` reference (FSDP2 over
+the two CP ranks, each holding half of every sample's tokens). The reward is smooth in the pixels: layouts differ
+by fp32 rounding, which a JPEG size can turn into different advantages.
 """
 
 import os
@@ -82,6 +84,28 @@ def test_resume_at_cp2(reference, tmp_path):
     run = _resumed_copy(reference, tmp_path / "cp2")
     _torchrun(run, "parallel.cp=2", f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
     _check(reference, run)
+
+
+@pytest.fixture(scope="module")
+def cp_reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("cp2") / "run"
+    _torchrun(run, "parallel.cp=2")
+    return run
+
+
+def test_cp2_checkpoint_resumes_at_world_size_1(cp_reference, tmp_path):
+    """cp 2 -> 1: the shards of the two CP ranks are one FSDP2 shard group; one rank takes them all."""
+    run = _resumed_copy(cp_reference, tmp_path / "ws1")
+    assert train_main(["--config", TINY_FLUX, f"train.output_dir={run}", *COMMON,
+                       f"checkpoint.resume={run / 'checkpoints' / 'step_2'}"]) == 0
+    _check(cp_reference, run)
+
+
+def test_cp2_checkpoint_resumes_at_dp2(cp_reference, tmp_path):
+    """cp 2 -> dp 2: the same two ranks, now each making whole samples of its own."""
+    run = _resumed_copy(cp_reference, tmp_path / "dp2")
+    _torchrun(run, f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
+    _check(cp_reference, run)
 
 
 def test_hsdp_checkpoint_resumes_at_world_size_1(tmp_path):

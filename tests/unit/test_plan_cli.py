@@ -82,6 +82,13 @@ def test_refusal_exits_1_and_still_prints(capsys):
     (["--model", "flux-dev", *HW, "--reward-mem-gb", "-0.5"], "--reward-mem-gb must be >= 0, got -0.5"),
     (["--model", "flux-dev", *HW, "--top", "-3"], "--top must be >= 0, got -3"),
     (["--config", "yaml_configs/tiny/flux.yaml", *HW, "optim.lr=nan"], "'optim.lr' must be a finite number"),
+    (["--model", "flux-dev", *HW, "--cp", "3"], "cp=3 does not divide the 8 GPUs per node"),
+    (["--model", "flux-dev", *HW, "--cp", "0"], "cp must be >= 1, got 0"),
+    (["--model", "wan2.1-14b", "--gpus-per-node", "16", "--gpu-mem-gb", "80", "--cp", "16"],
+     "cp=16 does not divide the 40 attention heads"),
+    (["--config", "yaml_configs/tiny/flux.yaml", *HW, "--cp", "2"], "--cp cannot be combined with a YAML config"),
+    (["--config", "yaml_configs/tiny/flux.yaml", *HW, "parallel.cp=2", "reward.async_scoring=true"],
+     "reward.async_scoring with parallel.cp=2 is not supported"),
 ])
 def test_errors_are_one_line_exit_2(capsys, monkeypatch, argv, message):
     monkeypatch.chdir(ROOT)
@@ -134,3 +141,45 @@ def test_simulate_chosen_when_nothing_fits_is_one_line():
     proc = _plan_cli("--model", "flux-dev", "--gpus-per-node", "1", "--gpu-mem-gb", "1", "--simulate")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "nothing fits" in proc.stderr
+
+
+WAN_720P = ["--model", "wan2.1-14b", "--nodes", "1", *HW, "--resolution", "1280x720", "--frames", "81",
+            "--num-steps", "16", "--selected-steps", "8", "--group-size", "8"]
+
+
+def test_long_video_picks_context_parallelism_and_says_why(capsys):
+    out = _json(capsys, WAN_720P)
+    chosen = out["chosen"]
+    assert chosen["cp"] > 1 and chosen["fits"] and chosen["peak_mem_bytes"] <= 80 * 2**30
+    assert chosen["breakdown"]["time_s"]["cp_all_to_all"] > 0
+    assert f"CP={chosen['cp']} splits each sample's 75600 tokens over {chosen['cp']} GPUs: nothing fits at CP=1" \
+        in out["reason"]
+    assert "one sample's activations per trained step are 65.0 GiB at CP=1" in out["reason"]
+    assert all(not c["fits"] for c in out["candidates"] if c["cp"] == 1)
+    ranks = out["placement"]["ranks"]
+    assert [r["cp_rank"] for r in ranks] == [r["rank"] % chosen["cp"] for r in ranks]
+    assert main(WAN_720P) == 0
+    text = capsys.readouterr().out
+    assert "CP=4 splits each sample's" in text and "nothing fits at CP=1" in text
+
+
+def test_cp_flag_forces_the_degree(capsys):
+    out = _json(capsys, ["--model", "flux-dev", *HW, "--cp", "2"])
+    assert {c["cp"] for c in out["candidates"]} == {2} and out["chosen"]["cp"] == 2
+    assert "CP=2 splits each sample's 1536 tokens over 2 GPUs (the degree asked for)." in out["reason"]
+    assert all(c["tp"] * c["cp"] * c["dp_shard"] * c["dp_replicate"] == 8 for c in out["candidates"])
+
+
+def test_cp2_prediction_matches_the_simulated_step():
+    """The trainer's step at parallel.cp=2 under fake tensors against the planner's CP memory model."""
+    arch = ("model.arch={num_layers: 2, num_single_layers: 3, num_attention_heads: 4, attention_head_dim: 32, "
+            "axes_dims_rope: [8, 12, 12]}")
+    proc = _plan_cli("--config", "yaml_configs/tiny/flux.yaml", arch, "sampler.height=128", "sampler.width=128",
+                     "sampler.num_steps=5", "grpo.timestep_fraction=0.8", "parallel.cp=2", "--gpus-per-node", "2",
+                     "--gpu-mem-gb", "80", "--overhead-gb", "0", "--simulate", "all", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    simulated = [c for c in json.loads(proc.stdout)["candidates"] if "simulated_peak_bytes" in c]
+    assert sorted(c["schedule"] for c in simulated) == ["native", "retain", "reweight"]
+    for c in simulated:
+        assert c["cp"] == 2 and c["dp_shard"] * c["dp_replicate"] == 1
+        assert 0.9 <= c["simulated_over_predicted"] <= 1.1, (c["schedule"], c["simulated_over_predicted"])

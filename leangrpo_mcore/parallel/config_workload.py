@@ -1,0 +1,92 @@
+"""The :class:`~leangrpo_mcore.parallel.workload.Workload` of an experiment config, as written (pure Python).
+
+What :func:`leangrpo_mcore.parallel.layout.plan_for_config` and ``leangrpo-plan --config`` plan: the
+architecture, tokens, selected steps, dtypes and schedule options the config implies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config, load_arch, preset_config
+from leangrpo_mcore.parallel.workload import GiB, Precision, Workload
+
+DEFAULT_TEXT_TOKENS = 512  # T5 / UMT5 maximum length of the released FLUX and Wan pipelines
+HASHED_TEXT_TOKENS = 16  # the hashed CPU text embedder's length (``engine.build.HASHED_TEXT_LENGTH``)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def precision_from_config(config: Any) -> Precision:
+    """Bytes per tensor kind implied by ``model.dtype`` (compute), ``model.master_dtype``, ``model.fp8``,
+    ``parallel.reduce_dtype`` and ``schedule.provisional_dtype``."""
+    master = _DTYPE_BYTES[config.model.master_dtype or "float32"]
+    compute = _DTYPE_BYTES[config.model.dtype]
+    # The unsharded gradients wait in the provisional dtype (default: the reduce dtype, which is what FSDP2
+    # accumulates in whenever it casts the forwards).
+    provisional = config.schedule.provisional_dtype or config.parallel.reduce_dtype
+    buffer = _DTYPE_BYTES[provisional] if compute < master or config.schedule.provisional_dtype else master
+    name = "fp8" if config.model.fp8 else ("fp32" if compute == 4 else "bf16")
+    return Precision(name, master, compute, master, buffer, matmul_speedup=2.0 if config.model.fp8 else 1.0)
+
+
+def selected_steps_of(config: Any) -> int:
+    """|S| per sample (the counts of ``leangrpo_mcore.diffusion.selection.num_selected``, kept torch-free)."""
+    grpo, steps = config.grpo, config.sampler.num_steps
+    if grpo.timestep_selection == "flow_grpo":
+        count = int(steps * grpo.timestep_fraction)
+    elif grpo.timestep_selection == "dance_grpo":
+        count = int((steps - 1) * grpo.timestep_fraction)
+    else:
+        count = config.sampler.sde_window_size
+    if count < 1:
+        raise UserError(f"grpo.timestep_selection={grpo.timestep_selection} selects no step of {steps}")
+    return count
+
+
+def reweight_plan_of(config: Any):
+    """The schedule's own Reweight plan for ``config`` (accumulation after any fallback, global fold, note)."""
+    # Imported lazily (torch): the schedule's own rule for when affine accumulation falls back to per-sample.
+    from leangrpo_mcore.schedules.reweight import plan_reweight
+
+    g = config.grpo
+    return plan_reweight(config.schedule.reweight_accumulate, advantage=g.advantage, group_size=g.group_size,
+                         prompts_per_step=g.prompts_per_step, adv_clip_max=g.adv_clip_max, global_std=g.global_std)
+
+
+def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, reward_seconds: float = 0.0,
+                         reward_mem_gb: float = 0.0, decode_bytes: int = 0) -> Workload:
+    """The :class:`Workload` of an experiment config, as written.
+
+    ``text_tokens`` defaults to the text encoder's length: ``model.text_max_length`` (T5 / UMT5: 512), 16 for the
+    hashed CPU embedder.
+    """
+    m, s = config.model, config.sampler
+    if m.path:
+        arch = load_arch(m.path)
+    elif m.preset:
+        try:
+            arch = arch_from_config(m.family, {**preset_config(m.family, m.preset), **m.arch}, m.preset)
+        except ValueError as err:  # the models registry reports unknown families / presets as ValueError
+            raise UserError(str(err)) from None
+    else:
+        raise UserError("model: set model.path or model.preset to plan")
+    if text_tokens is None:
+        text_tokens = HASHED_TEXT_TOKENS if m.text_encoder == "hashed" else m.text_max_length
+    tokens = arch.tokens(s.height, s.width, s.frames, text_tokens)
+    # null targets: the family's default set (as ``engine.build`` resolves them)
+    targets = DEFAULT_LORA_TARGETS[arch.family] if m.lora.targets is None else tuple(m.lora.targets)
+    return Workload(
+        arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=selected_steps_of(config),
+        group_size=config.grpo.group_size, prompts_per_step=config.grpo.prompts_per_step,
+        micro_batch=config.schedule.micro_batch, lora_rank=m.lora.rank, lora_targets=targets,
+        precision=precision_from_config(config), activation_checkpointing=m.activation_checkpointing,
+        kl_beta=config.grpo.kl_beta, cfg=s.cfg_scale > 1.0, updates_per_rollout=config.grpo.updates_per_rollout,
+        reward_seconds=reward_seconds, reward_mem_bytes=int(reward_mem_gb * GiB), decode_bytes=decode_bytes,
+        optimizer=config.optim.name,
+        momentum=config.optim.momentum, reshard_after_forward=config.parallel.reshard_after_forward,
+        selection=config.grpo.timestep_selection,
+        reweight_accumulate=reweight_plan_of(config).accumulate, coalesce_sync=config.schedule.coalesce_sync,
+        global_std=config.grpo.global_std, reweight_global_fold=reweight_plan_of(config).global_fold,
+        reweight_note=reweight_plan_of(config).note,
+        layout=config.parallel.layout, async_scoring=config.reward.async_scoring)
