@@ -254,8 +254,8 @@ def test_cp_is_not_chosen_when_it_only_adds_communication():
 
 
 def test_cp_wins_on_time_when_it_spares_activation_checkpointing():
-    arch = load_arch("flux-dev")
-    work = Workload(arch=arch, tokens=arch.tokens(2048, 2048), num_steps=16, selected_steps=8, group_size=8,
+    arch = load_arch("flux-dev")  # at 2560 px TP alone no longer spares checkpointing (activations split by TP too)
+    work = Workload(arch=arch, tokens=arch.tokens(2560, 2560), num_steps=16, selected_steps=8, group_size=8,
                     prompts_per_step=1, lora_rank=64, lora_targets=("attn",))
     result = plan(work, ONE_NODE)
     fastest_single = min((c for c in result.candidates if c.fits and c.layout.cp == 1), key=lambda c: c.step_time_s)
