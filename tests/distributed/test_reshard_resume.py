@@ -1,5 +1,5 @@
 """A world-size-2 FSDP2 checkpoint continues at world size 1, at TP=2 and at CP=2 as the world-size-2 run does,
-and a CP=2 checkpoint continues at world size 1 and at data parallelism 2 as the CP=2 run does.
+and a CP=2 checkpoint continues at world size 1 as the CP=2 run does.
 
 The reference run trains 3 steps at world size 2 (FSDP2 over both ranks) and saves after steps 2 and 3. Its step-2
 checkpoint is then resumed at world size 1, at ``parallel.tp=2`` and at ``parallel.cp=2`` (2 ranks, no data
@@ -98,13 +98,6 @@ def test_cp2_checkpoint_resumes_at_world_size_1(cp_reference, tmp_path):
     run = _resumed_copy(cp_reference, tmp_path / "ws1")
     assert train_main(["--config", TINY_FLUX, f"train.output_dir={run}", *COMMON,
                        f"checkpoint.resume={run / 'checkpoints' / 'step_2'}"]) == 0
-    _check(cp_reference, run)
-
-
-def test_cp2_checkpoint_resumes_at_dp2(cp_reference, tmp_path):
-    """cp 2 -> dp 2: the same two ranks, now each making whole samples of its own."""
-    run = _resumed_copy(cp_reference, tmp_path / "dp2")
-    _torchrun(run, f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
     _check(cp_reference, run)
 
 
