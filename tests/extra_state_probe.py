@@ -58,3 +58,14 @@ def same_state(a: ExtraStateProbe, b: ExtraStateProbe) -> bool:
     x, y = a.get_extra_state(), b.get_extra_state()
     return (torch.equal(x["scale"], y["scale"]) and torch.equal(x["amax_history"], y["amax_history"])
             and x["steps"] == y["steps"])
+
+
+def tiny_flux_inputs() -> dict:
+    """One seeded sample of inputs for the ``flux-tiny`` preset (12 image tokens on a 3 x 4 grid, 5 text tokens)."""
+    gen = torch.Generator().manual_seed(3)
+    img, txt = 12, 5
+    img_ids = torch.stack([torch.zeros(img), torch.arange(img) // 3, torch.arange(img) % 3], dim=1)
+    return dict(hidden_states=torch.randn(1, img, 16, generator=gen),
+                encoder_hidden_states=torch.randn(1, txt, 32, generator=gen),
+                pooled_projections=torch.randn(1, 24, generator=gen), timestep=torch.tensor([0.6]),
+                img_ids=img_ids, txt_ids=torch.zeros(txt, 3), guidance=torch.full((1,), 3.5))

@@ -8,21 +8,11 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_ranks
-from tests.extra_state_probe import attach_probes
+from tests.extra_state_probe import attach_probes, tiny_flux_inputs
 
 pytestmark = pytest.mark.distributed
 
 TINY = {"family": "flux", "preset": "flux-tiny"}
-
-
-def _inputs():
-    gen = torch.Generator().manual_seed(3)
-    img, txt = 12, 5
-    img_ids = torch.stack([torch.zeros(img), torch.arange(img) // 3, torch.arange(img) % 3], dim=1)
-    return dict(hidden_states=torch.randn(1, img, 16, generator=gen),
-                encoder_hidden_states=torch.randn(1, txt, 32, generator=gen),
-                pooled_projections=torch.randn(1, 24, generator=gen), timestep=torch.tensor([0.6]),
-                img_ids=img_ids, txt_ids=torch.zeros(txt, 3), guidance=torch.full((1,), 3.5))
 
 
 def _parts(seed, start):
@@ -46,7 +36,7 @@ def _round_trip(ctx, root, tp_rank):
     model, layout, probes = _parts(seed=0, start=0.0)
     apply_fsdp(model, ctx)
     with torch.no_grad():
-        model(**_inputs())
+        model(**tiny_flux_inputs())
     for probe in probes.values():  # TE's state may differ per TP rank; this one does
         probe.amax_history[1] = 10.0 * tp_rank + 1.0
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -12,19 +12,9 @@ from leangrpo_mcore.engine import checkpoint as ck
 from leangrpo_mcore.engine import extra_state
 from leangrpo_mcore.engine.run_dir import RunDir
 from leangrpo_mcore.models import build_policy
-from tests.extra_state_probe import ExtraStateProbe, attach_probes, same_state
+from tests.extra_state_probe import ExtraStateProbe, attach_probes, same_state, tiny_flux_inputs
 
 TINY = {"family": "flux", "preset": "flux-tiny"}
-
-
-def _inputs():
-    gen = torch.Generator().manual_seed(3)
-    img, txt = 12, 5
-    img_ids = torch.stack([torch.zeros(img), torch.arange(img) // 3, torch.arange(img) % 3], dim=1)
-    return dict(hidden_states=torch.randn(1, img, 16, generator=gen),
-                encoder_hidden_states=torch.randn(1, txt, 32, generator=gen),
-                pooled_projections=torch.randn(1, 24, generator=gen), timestep=torch.tensor([0.6]),
-                img_ids=img_ids, txt_ids=torch.zeros(txt, 3), guidance=torch.full((1,), 3.5))
 
 
 def _parts(seed: int, probes: bool, start: float = 0.0):
@@ -54,13 +44,13 @@ def test_extra_state_round_trips_through_save_and_resume(tmp_path, async_save):
     model, layout, optimizer, probes = _parts(0, probes=True)
     with torch.no_grad():
         for _ in range(2):
-            model(**_inputs())
+            model(**tiny_flux_inputs())
     saved = {name: probe.get_extra_state() for name, probe in probes.items()}
     assert sorted(saved) == ["probe", "transformer_blocks.0.probe"]
     assert saved["probe"]["steps"] == 2 and float(saved["transformer_blocks.0.probe"]["scale"][0]) > 0
     path = _save(tmp_path, model, layout, optimizer, async_save)
     with torch.no_grad():
-        model(**_inputs())  # a later forward must not reach the checkpoint (async: staged at save time)
+        model(**tiny_flux_inputs())  # a later forward must not reach the checkpoint (async: staged at save time)
 
     other, layout2, opt2, probes2 = _parts(1, probes=True, start=7.0)
     assert not any(same_state(probes2[n], probes[n]) for n in probes)
