@@ -26,7 +26,7 @@ ceil(rows / world) rows, the last ones padded, rank r owning rows [r·c, (r+1)·
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,14 @@ class GradSync:
         return [by_param[id(p)] for p in self.params]
 
     # ------------------------------------------------------------------ backward
+    @contextlib.contextmanager
+    def backward_mode(self) -> Iterator[None]:
+        """Backwards inside synchronise as the mode says: FSDP2 reduce-scatters each one only in
+        ``per_backward`` mode (megatron's ``no_sync_func`` slot; see ``parallel/pipeline.py``)."""
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(self.mode == "per_backward")
+        yield
+
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
         """``loss.backward()``; FSDP2 reduce-scatters inside it only in ``per_backward`` mode."""
         if self.fsdp:

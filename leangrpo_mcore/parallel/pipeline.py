@@ -1,0 +1,170 @@
+"""Micro-batches run by megatron-core's pipeline scheduler (``get_forward_backward_func``), at pipeline size 1.
+
+A schedule hands :func:`run_micro_batches` a ``forward_step_func(data_iterator, model) -> (output, loss_func)``
+and its micro-batches; megatron's ``forward_backward_no_pipelining`` runs forward, loss and backward of each
+in turn. What megatron reads from the model's config is built here, once per call (:func:`schedule_config`):
+
+- **loss scaling.** The unit losses are already normalised by the update's one weight
+  (``schedules.base.loss_weight``: over every sample and selected step of all ranks), so the scheduler must not
+  divide again. ``loss_func`` returns megatron's triple ``(loss, num_tokens, reduced)`` and the config sets
+  ``calculate_per_token_loss``: megatron then backpropagates the loss exactly as returned (neither
+  ``/ num_microbatches`` nor ``× cp_size`` is applied), so the gradients equal a plain ``loss.backward()``
+  bit for bit. ``grad_scale_func`` is None (no loss scaling: bf16/fp32 training).
+- **gradient sync.** :class:`~leangrpo_mcore.parallel.grad_sync.GradSync` keeps its meaning: ``per_backward``
+  reduce-scatters on every backward like the baselines, ``coalesced`` holds every backward local until
+  ``GradSync.finish``. Megatron's own rule (no sync for micro-batches 0..N−2, sync on the last) fits neither:
+  one call here is one group's share of an update, not the update. So :meth:`GradSync.backward_mode` is both
+  ``no_sync_func`` and the context around the whole call, and ``finalize_model_grads_func`` is None: the
+  update finishes in ``Schedule.finish_update``. ``grad_sync_func`` is read only by the pipelined schedules.
+- **CPU.** ``forward_backward_no_pipelining`` allocates its token counter with ``device="cuda"``; on a machine
+  without CUDA the call runs with that one allocation redirected to the CPU (:func:`_cpu_token_counter`).
+  Nothing else on this path touches CUDA.
+- **phases.** megatron brackets each micro-batch's forward + loss (``forward-compute``) and its backward
+  (``backward-compute``) with ``config.timers``; :class:`_PhaseTimers` turns those brackets into the
+  project's phase hook, so the step's phase breakdown names exactly what the scheduler ran.
+
+The "model" megatron sees is :class:`_Stage`: the config plus the two attributes the scheduler asks for. The
+policy itself is reached through the schedule's velocity function inside ``forward_step_func``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from leangrpo_mcore.parallel.grad_sync import GradSync, PhaseFn
+
+ForwardStepFunc = Callable[[Iterator, Any], tuple[torch.Tensor, Callable]]
+"""``forward_step_func(data_iterator, model) -> (output, loss_func)`` in megatron's convention."""
+
+
+@dataclass
+class ScheduleConfig(ModelParallelConfig):
+    """megatron's ``ModelParallelConfig`` plus the two ``TransformerConfig`` fields the PP=1 schedule reads."""
+
+    calculate_per_token_loss: bool = True
+    """Backpropagate ``loss_func``'s loss as returned (the unit losses carry the update's weight already)."""
+    fine_grained_activation_offloading: bool = False
+    """Megatron's activation offloading (unused here)."""
+
+
+class _Stage:
+    """What megatron's scheduler reads from a model: its config, its type, ``set_input_tensor`` (unused at PP=1)."""
+
+    model_type = ModelType.encoder_or_decoder
+
+    def __init__(self, config: ScheduleConfig) -> None:
+        self.config = config
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """The first (only) stage takes its inputs from the data iterator."""
+
+
+class _GroupSize:
+    """A process-group stand-in answering ``size()`` (megatron passes the CP size to its loss scaling)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+class _PhaseTimers:
+    """megatron's ``timers(name, log_level)`` interface over the project's ``phase`` hook."""
+
+    def __init__(self, phase: PhaseFn, names: dict[str, str]) -> None:
+        self.phase, self.names = phase, names
+        self._open: dict[str, contextlib.ExitStack] = {}
+
+    def __call__(self, name: str, log_level: Optional[int] = None) -> "_PhaseTimers._Timer":
+        return _PhaseTimers._Timer(self, name)
+
+    class _Timer:
+        def __init__(self, owner: "_PhaseTimers", name: str) -> None:
+            self.owner, self.name = owner, name
+
+        def start(self, barrier: bool = False) -> None:
+            phase = self.owner.names.get(self.name)
+            if phase is not None:
+                stack = contextlib.ExitStack()
+                stack.enter_context(self.owner.phase(phase))
+                self.owner._open[self.name] = stack
+
+        def stop(self, barrier: bool = False) -> None:
+            stack = self.owner._open.pop(self.name, None)
+            if stack is not None:
+                stack.close()
+
+
+def schedule_config(grad_sync: GradSync, phase: PhaseFn, phases: dict[str, str],
+                    dtype: torch.dtype = torch.float32) -> ScheduleConfig:
+    """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` as timers."""
+    return ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, deallocate_pipeline_outputs=False,
+                          no_sync_func=grad_sync.backward_mode, grad_sync_func=None,
+                          finalize_model_grads_func=None, grad_scale_func=None,
+                          timers=_PhaseTimers(phase, phases), barrier_with_L1_time=False)
+
+
+def _process_groups(cp_size: int) -> ProcessGroupCollection:
+    groups = ProcessGroupCollection()
+    groups.tp, groups.cp, groups.embd, groups.pos_embd = None, _GroupSize(cp_size), None, None
+    groups.pp, groups.dp_cp = None, None
+    return groups
+
+
+@contextlib.contextmanager
+def _cpu_token_counter() -> Iterator[None]:
+    """Without CUDA, the scheduler's ``torch.zeros(..., device="cuda")`` token counter lives on the CPU."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron.core.pipeline_parallel import schedules
+
+    class _Torch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args, device=None, **kwargs):
+            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    saved = schedules.torch
+    schedules.torch = _Torch()
+    try:
+        yield
+    finally:
+        schedules.torch = saved
+
+
+def token_count() -> torch.Tensor:
+    """The ``num_tokens`` entry of ``loss_func``'s triple: one, on the device of the scheduler's counter."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    return torch.ones((), dtype=torch.int, device=device)
+
+
+def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequence, grad_sync: GradSync, *,
+                      phase: PhaseFn, phases: dict[str, str], forward_only: bool = False,
+                      dtype: torch.dtype = torch.float32) -> Optional[list]:
+    """Run ``micro_batches`` (any objects ``forward_step_func`` draws from its iterator) through megatron's
+    ``get_forward_backward_func()`` at pipeline size 1; returns the scheduler's per-micro-batch ``reduced``.
+
+    ``phases`` maps megatron's timer names (``forward-compute``, ``backward-compute``) to phase names."""
+    if not micro_batches:
+        return []
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    forward_backward = get_forward_backward_func(pp_size=1, vp_size=None)
+    stage = _Stage(schedule_config(grad_sync, phase, phases, dtype))
+    cp_size = int(grad_sync.ctx.layout.cp)
+    with _cpu_token_counter(), grad_sync.backward_mode():
+        return forward_backward(forward_step_func=forward_step_func, data_iterator=iter(micro_batches),
+                                model=stage, num_microbatches=len(micro_batches), seq_length=0,
+                                micro_batch_size=1, forward_only=forward_only,
+                                pg_collection=_process_groups(cp_size))
