@@ -166,6 +166,9 @@ class ParallelConfig:
 
     tp: int = option(1, ge=1)
     """Tensor-parallel degree (within a node)."""
+    pp: int = option(1, ge=1)
+    """Pipeline-parallel degree: the policy's blocks split into pp stages (docs/models.md, "Pipeline
+    parallelism"); the pp ranks of a sample count as one data-parallel rank, each holding one stage."""
     cp: int = option(1, ge=1)
     """Context (sequence) parallel degree: the tokens of each sample split over cp ranks, Ulysses attention
     (docs/models.md, "Sequence parallelism"); the cp ranks of a sample count as one data-parallel rank."""
