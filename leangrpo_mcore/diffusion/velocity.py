@@ -118,6 +118,10 @@ class FluxVelocity(_PolicyVelocity):
 
     def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
         """(B, S, 4·C) float32 velocity of packed ``latents`` (B, S, 4·C)."""
+        return self.velocity_from_output(self.policy(**self.policy_inputs(latents, sigma, conditioning)))
+
+    def policy_inputs(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> dict:
+        """The keyword arguments of the policy forward for these latents."""
         sigma = _check_sigma(latents, sigma)
         if conditioning.negative_encoder_hidden_states is not None:
             raise ValueError("FLUX uses the guidance embedding; negative prompts (two-branch CFG) are not supported")
@@ -125,7 +129,7 @@ class FluxVelocity(_PolicyVelocity):
             raise ValueError("FLUX needs conditioning.pooled_projections")
         device, dtype = latents.device, self.compute_dtype
         guidance = conditioning.guidance
-        out = self.policy(
+        return dict(
             hidden_states=latents.to(dtype),
             encoder_hidden_states=conditioning.encoder_hidden_states.to(dtype),
             pooled_projections=conditioning.pooled_projections.to(dtype),
@@ -134,6 +138,10 @@ class FluxVelocity(_PolicyVelocity):
             txt_ids=torch.zeros(conditioning.encoder_hidden_states.shape[1], 3, device=device),
             guidance=None if guidance is None else guidance.to(torch.float32),
         )
+
+    @staticmethod
+    def velocity_from_output(out: torch.Tensor) -> torch.Tensor:
+        """The float32 velocity of the policy's output."""
         return out.to(torch.float32)
 
 
@@ -156,22 +164,27 @@ class WanVelocity(_PolicyVelocity):
 
     def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
         """(B, C, F, H, W) float32 velocity."""
+        return self.velocity_from_output(self.policy(**self.policy_inputs(latents, sigma, conditioning)))
+
+    def policy_inputs(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> dict:
+        """The keyword arguments of the policy forward: the batch, or [uncond; cond] under CFG."""
         sigma = _check_sigma(latents, sigma)
         dtype = self.compute_dtype
         context = conditioning.encoder_hidden_states.to(dtype)
         timestep = self.timestep(sigma)
         if self.cfg_scale == 1.0:
-            out = self.policy(hidden_states=latents.to(dtype), timestep=timestep, encoder_hidden_states=context)
-            return out.to(torch.float32)
+            return dict(hidden_states=latents.to(dtype), timestep=timestep, encoder_hidden_states=context)
         negative = conditioning.negative_encoder_hidden_states
         if negative is None:
             raise ValueError(f"cfg_scale {self.cfg_scale} needs conditioning.negative_encoder_hidden_states")
         batch = latents.to(dtype)
-        out = self.policy(
-            hidden_states=torch.cat([batch, batch]),
-            timestep=torch.cat([timestep, timestep]),
-            encoder_hidden_states=torch.cat([negative.to(dtype), context]),
-        )
+        return dict(hidden_states=torch.cat([batch, batch]), timestep=torch.cat([timestep, timestep]),
+                    encoder_hidden_states=torch.cat([negative.to(dtype), context]))
+
+    def velocity_from_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The float32 velocity of the policy's output (the CFG combination of both branches)."""
+        if self.cfg_scale == 1.0:
+            return out.to(torch.float32)
         uncond, cond = out.to(torch.float32).chunk(2)
         return uncond + self.cfg_scale * (cond - uncond)
 

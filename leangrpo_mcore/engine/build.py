@@ -38,7 +38,9 @@ from leangrpo_mcore.models.registry import (ModelFamily, family_for_diffusers_cl
                                              read_policy_files)
 from leangrpo_mcore.parallel.groups import check_layout
 from leangrpo_mcore.parallel.fsdp import apply_fsdp
+from leangrpo_mcore.models.common.pipeline import PipelineStage, split_blocks
 from leangrpo_mcore.parallel.mesh import Layout, ParallelContext, build_parallel_context
+from leangrpo_mcore.parallel.stages import StageLink, StagedVelocity
 from leangrpo_mcore.parallel.precision import RunPrecision, fp8_precision, null_precision, run_precision, torch_dtype
 from leangrpo_mcore.rl.rewards import ValidatedReward, build_reward
 
@@ -174,12 +176,13 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
         family, model_config = resolve_model_config({"family": m.family, "preset": m.preset, **m.arch,
                                                      "activation_checkpointing": m.activation_checkpointing,
                                                      "fp8": m.fp8})
+    stage = pipeline_stage(model_config.num_layers, pctx)
     policy = meta_policy(family, model_config, m.backend, torch_dtype(precision.master),
-                         files.lora if files is not None else None)
+                         files.lora if files is not None else None, stage=stage)
     lora = config.model.lora
     if lora.rank > 0 and getattr(policy, "lora_config", None) is None:
-        with torch.device("meta"):
-            apply_lora(policy, _lora_section(lora, family), seed=m.seed)
+        with torch.device("meta"):  # a stage may hold none of a target's modules; the whole model holds them all
+            apply_lora(policy, _lora_section(lora, family), seed=m.seed, require_match=stage is None)
     if getattr(policy, "lora_config", None) is not None:
         mark_only_lora_trainable(policy)
         _frozen_in(policy, torch_dtype(precision.compute))
@@ -195,6 +198,17 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
     if config.train.ema_decay > 0:
         ema = {name: p.detach().clone().float() for name, p in policy.named_parameters() if p.requires_grad}
     return PolicyParts(policy, family, tp_layout, optimizer, scheduler, ema)
+
+
+def pipeline_stage(num_blocks: int, pctx: ParallelContext) -> Optional[PipelineStage]:
+    """This rank's pipeline stage of a policy of ``num_blocks`` blocks (None at ``parallel.pp`` = 1)."""
+    pp = int(pctx.layout.pp)
+    if pp == 1:
+        return None
+    try:
+        return split_blocks(num_blocks, pp)[pctx.pp_rank]
+    except ValueError as err:
+        raise UserError(f"parallel.pp={pp}: {err}") from None
 
 
 def _frozen_in(policy: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -268,6 +282,9 @@ def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: Parall
         sigmas = get_sigmas(s.sigma_schedule, s.num_steps, shift=s.shift)
     velocity = build_velocity_fn(fam, parts.policy, sigma_kind=s.sigma_schedule, latent_height=s.height // factor,
                                  latent_width=s.width // factor, cfg_scale=s.cfg_scale)
+    if pctx.layout.pp > 1:
+        compute = run_precision(config.model, config.parallel, config.schedule).compute
+        velocity = StagedVelocity(velocity, StageLink(pctx, torch_dtype(compute)))
     plan = StepPlan.from_config(config, latent_shape=shape, sigmas=sigmas, schedule=schedule)
     precision = fp8_precision(parts.policy) if config.model.fp8 else null_precision
     return StepEngine(plan, policy=parts.policy, velocity_fn=velocity, ctx=pctx, optimizer=parts.optimizer,

@@ -158,6 +158,23 @@ def _optimizer_record(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     return {"param_groups": groups, "scalars": scalars, "lr_scheduler": sched}
 
 
+def _merged_record(record: dict) -> dict:
+    """Collective: the optimizer record of the whole model. Pipeline stages hold different parameters; their
+    names are joined in rank order (stage after stage: the whole model's order), each group's scalars merged."""
+    if _world() == 1:
+        return record
+    records: list = [None] * _world()
+    dist.all_gather_object(records, record)
+    merged = records[0]
+    for other in records[1:]:
+        for group, theirs in zip(merged["param_groups"], other["param_groups"]):
+            known = set(group["param_names"])
+            group["param_names"].extend(n for n in theirs["param_names"] if n not in known)
+        for name, values in other["scalars"].items():
+            merged["scalars"].setdefault(name, values)
+    return merged
+
+
 def _staged(state: dict) -> dict:
     """A host copy of ``state`` that later training steps cannot change (for a background write)."""
     out = {}
@@ -319,9 +336,10 @@ def save_checkpoint(run_dir: RunDir, step: int, *, model: torch.nn.Module, optim
         pending.error = UserError(error)
         return pending
     shards, scalars = training_state(model, optimizer, ema, layout)
+    record = _merged_record(_optimizer_record(model, optimizer, lr_scheduler, scalars))
     try:
         if _rank() == 0:
-            _write_json(os.path.join(tmp, OPTIM_FILE), _optimizer_record(model, optimizer, lr_scheduler, scalars))
+            _write_json(os.path.join(tmp, OPTIM_FILE), record)
         rng_path = os.path.join(tmp, "rng", f"rank_{_rank()}.pt")
         torch.save(rng_state(), rng_path)
         _fsync_file(rng_path)
@@ -553,8 +571,13 @@ def _check_groups(path: str, model: torch.nn.Module, optimizer: torch.optim.Opti
                         f"{len(optimizer.param_groups)}")
     for group, saved_group in zip(optimizer.param_groups, saved):
         mine = [names[id(p)] for p in group["params"]]
-        if mine != saved_group.get("param_names"):
-            differ = sorted(set(mine) ^ set(saved_group.get("param_names") or []))[:1] or mine[:1]
+        theirs = saved_group.get("param_names") or []
+        stage = getattr(model, "stage", None)
+        if stage is not None and not stage.is_whole:  # a pipeline stage trains its part, in the saved order
+            held = set(mine)
+            theirs = [n for n in theirs if n in held] if held <= set(theirs) else theirs
+        if mine != theirs:
+            differ = sorted(set(mine) ^ set(theirs))[:1] or mine[:1]
             raise UserError(f"checkpoint {path} trains different parameters than this run (e.g. '{differ[0]}')")
 
 

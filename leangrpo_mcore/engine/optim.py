@@ -94,6 +94,8 @@ def grad_norm(params: Iterable[torch.nn.Parameter], ctx: ParallelContext) -> flo
             dist.all_reduce(total, group=shard_group)
         if ctx.tp_group is not None and ctx.layout.tp > 1:
             dist.all_reduce(total, group=ctx.tp_group)
+        if ctx.pp_group is not None:  # every stage holds its own blocks' gradients
+            dist.all_reduce(total, group=ctx.pp_group)
     return math.sqrt(float(total))
 
 

@@ -24,6 +24,11 @@ its piece of every latent (:mod:`leangrpo_mcore.parallel.sequence`); the velocit
 for the sequence-parallel forward and keeps its piece of the output, the log-prob and KL reduce their partial
 sums over the CP group, and the final latents are gathered and scored once per sample, on CP rank 0, whose
 rewards every CP rank receives. Their gradients are partial and FSDP2's reduction over dp_shard · cp adds them.
+
+``parallel.pp`` (pipeline parallelism): the stages of a data-parallel index run this same program in lock-step,
+each holding its own blocks; only the policy forward is split (:mod:`leangrpo_mcore.parallel.stages`), and every
+stage gets the same velocity, so the trajectories, rewards (scored on the last stage, received by the others),
+advantages and schedule hooks are the same on every stage, and each stage's gradients are its own blocks'.
 """
 
 from __future__ import annotations
@@ -200,6 +205,10 @@ class StepPlan:
         check_layout(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step)
         if ctx.layout.cp > 1 and self.async_scoring:
             raise ValueError("reward.async_scoring with parallel.cp > 1 is not supported yet: set one of them off")
+        if ctx.layout.pp > 1 and ctx.layout.cp > 1:
+            raise ValueError("parallel.pp > 1 with parallel.cp > 1 is not supported yet: set one of them to 1")
+        if ctx.layout.pp > 1 and self.async_scoring:
+            raise ValueError("reward.async_scoring with parallel.pp > 1 is not supported yet: set one of them off")
         if (self.schedule == "reweight" and self.reshard_after_forward and int(ctx.layout.dp_shard) > 1
                 and self.selection_varies(ctx)):
             raise ValueError(f"Reweight with {sel['method']} selection trains different steps on different ranks: "
@@ -328,7 +337,7 @@ class StepEngine:
         self.progress, self._rolled = progress, 0
         self.shares = assign_samples(plan.layout, ctx.dp_rank, ctx.dp_size, plan.group_size, plan.prompts_per_step)
         self.gather_groups = (build_group_process_groups(plan.layout, ctx.dp_size, plan.group_size,
-                                                         ctx.dp_global_ranks) if ctx.dp_size > 1 else {})
+                                                         ctx.all_dp_global_ranks) if ctx.dp_size > 1 else {})
         self._scorer: Optional[ThreadPoolExecutor] = None
         self.active_schedule = None
         """The schedule of the update in progress (or last run)."""
@@ -357,6 +366,9 @@ class StepEngine:
 
     def _run(self, inputs: StepInputs, timer: PhaseTimer) -> StepResult:
         plan = self.plan
+        link = getattr(self.velocity_fn, "link", None)
+        if link is not None:  # pipeline stages: the waits for other stages are timed in this step
+            link.phase = timer.phase
         reshard_policy(self.policy)  # a forward outside the engine (samples, probes) may have left units gathered
         set_gathered(self.policy, plan.keeps_gathered(self.ctx))
         first = self._schedule(plan.schedule, timer)
@@ -468,19 +480,23 @@ class StepEngine:
         return self._gathered(share, trajectories, rewards, timer)
 
     def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
-        """(B,) checked rewards of a micro-batch; under CP the whole latents are scored on CP rank 0 and every
-        CP rank receives the result (or the error)."""
+        """(B,) checked rewards of a micro-batch, scored once per sample: under CP the whole latents on CP rank 0,
+        under PP on the last stage (every stage holds the same latents); the other ranks of the sample receive
+        the result (or the error)."""
         batch = final_latents.shape[0]
-        if self.split is None:
+        if self.split is not None:
+            whole, group, scorer = self.split.gather(final_latents), self.ctx.cp_group, 0
+        elif self.ctx.pp_group is not None:
+            whole, group, scorer = final_latents, self.ctx.pp_group, int(self.ctx.layout.pp) - 1
+        else:
             return _check_rewards(self.reward_fn(final_latents, prompt_ids), batch)
-        whole = self.split.gather(final_latents)
         outcome: list = [None]
-        if self.ctx.cp_rank == 0:
+        if dist.get_rank(group) == scorer:
             try:
                 outcome[0] = _check_rewards(self.reward_fn(whole, prompt_ids), batch).cpu()
             except ValueError as err:
                 outcome[0] = str(err)
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(self.ctx.cp_group, 0), group=self.ctx.cp_group)
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, scorer), group=group)
         if isinstance(outcome[0], str):
             raise ValueError(outcome[0])
         return outcome[0]

@@ -296,8 +296,9 @@ class Trainer:
 
     def _layout_record(self) -> dict:
         layout = self.pctx.layout
-        record = {"world_size": self.dist.world_size, "tp": layout.tp, "cp": layout.cp,
-                  "dp_shard": int(layout.dp_shard), "dp_replicate": int(layout.dp_replicate), "family": self.family.name, "model_config": self.hyper,
+        record = {"world_size": self.dist.world_size, "tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
+                  "dp_shard": int(layout.dp_shard), "dp_replicate": int(layout.dp_replicate),
+                  "family": self.family.name, "model_config": self.hyper,
                   "lora": self.lora, "optimizer": self.config.optim.name, "schedule": self.schedule}
         # Through JSON, as trainer_state.json stores it (tuples become lists), so that records compare equal.
         return json.loads(json.dumps(record))
@@ -310,9 +311,9 @@ class Trainer:
             if saved.get(key) != mine[key]:
                 raise UserError(f"checkpoint {path} is incompatible with this config: its {key} is "
                                 f"{saved.get(key)!r}, this run has {mine[key]!r}")
-        # Checkpoints written before context parallelism existed ran at cp = 1.
-        same = all(saved.get(k, 1 if k == "cp" else None) == mine[k]
-                   for k in ("world_size", "tp", "cp", "dp_shard", "dp_replicate"))
+        # Checkpoints written before context or pipeline parallelism existed ran at cp = pp = 1.
+        same = all(saved.get(k, 1 if k in ("cp", "pp") else None) == mine[k]
+                   for k in ("world_size", "tp", "cp", "pp", "dp_shard", "dp_replicate"))
         if not same:
             self.log.info("resharding checkpoint written at world size %s (tp %s) to world size %s (tp %s); "
                           "per-rank RNG states are not restored", saved.get("world_size"), saved.get("tp"),

@@ -1,8 +1,11 @@
 """One layout description → megatron tensor-parallel groups + a torch DeviceMesh for data parallelism.
 
 Rank order follows megatron-core's default ``tp-cp-ep-dp-pp``: tensor parallelism varies fastest, then context
-parallelism, so the global ranks form a (dp_replicate, dp_shard, cp, tp) grid in row-major order and a CP group
-of cp·tp consecutive ranks stays inside a node whenever cp·tp divides the GPUs per node. The data-parallel
+parallelism, then data parallelism, and pipeline parallelism is outermost, so the global ranks form a
+(pp, dp_replicate, dp_shard, cp, tp) grid in row-major order: a CP group of cp·tp consecutive ranks stays inside
+a node whenever cp·tp divides the GPUs per node, and with pp = nodes each pipeline stage is one node. Every
+pipeline stage has the same data-parallel layout over its own ranks (its own FSDP2 mesh, its own
+data-parallel group); the pp ranks of a sample count as one data-parallel rank. The data-parallel
 ranks (rewards, prompt groups, statistics) are the ranks sharing this rank's CP and TP ranks. FSDP2 shards over
 dp_shard·cp ranks: the CP ranks of a sample hold the same parameters and their partial gradients add up like
 those of any data-parallel rank, so the FSDP mesh is (dp_replicate, dp_shard·cp) with ``dp_shard`` naming that
@@ -29,6 +32,8 @@ class Layout:
 
     tp: int = 1
     """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages)."""
     cp: int = 1
     """Context (sequence) parallel degree."""
     dp_replicate: Degree = "auto"
@@ -38,23 +43,25 @@ class Layout:
 
     def resolve(self, world_size: int) -> "Layout":
         """The layout with integer degrees whose product is ``world_size``; ValueError otherwise."""
-        model = self.tp * self.cp
-        if self.tp < 1 or self.cp < 1 or world_size % model:
-            degrees = f"tp={self.tp}" + (f" x cp={self.cp}" if self.cp != 1 else "")
+        model = self.tp * self.cp * self.pp
+        if self.tp < 1 or self.cp < 1 or self.pp < 1 or world_size % model:
+            degrees = (f"tp={self.tp}" + (f" x cp={self.cp}" if self.cp != 1 else "")
+                       + (f" x pp={self.pp}" if self.pp != 1 else ""))
             raise ValueError(f"{degrees} does not divide the world size {world_size}")
         replicate = 1 if self.dp_replicate == "auto" else int(self.dp_replicate)
         if replicate < 1 or (world_size // model) % replicate:
-            raise ValueError(f"dp_replicate={replicate} does not divide world/(tp*cp) = {world_size // model}")
+            raise ValueError(f"dp_replicate={replicate} does not divide world/(tp*cp*pp) = {world_size // model}")
         shard = world_size // (model * replicate) if self.dp_shard == "auto" else int(self.dp_shard)
         if shard < 1 or model * replicate * shard != world_size:
-            raise ValueError(f"tp ({self.tp}) x cp ({self.cp}) x dp_replicate ({replicate}) x dp_shard ({shard}) "
-                             f"!= world size {world_size}")
-        return Layout(tp=self.tp, cp=self.cp, dp_replicate=replicate, dp_shard=shard)
+            raise ValueError(f"tp ({self.tp}) x cp ({self.cp}) x pp ({self.pp}) x dp_replicate ({replicate}) x "
+                             f"dp_shard ({shard}) != world size {world_size}")
+        return Layout(tp=self.tp, pp=self.pp, cp=self.cp, dp_replicate=replicate, dp_shard=shard)
 
     @classmethod
     def from_config(cls, parallel) -> "Layout":
         """From a :class:`~leangrpo_mcore.config.schema.ParallelConfig`."""
-        return cls(tp=parallel.tp, cp=parallel.cp, dp_replicate=parallel.dp_replicate, dp_shard=parallel.dp_shard)
+        return cls(tp=parallel.tp, pp=parallel.pp, cp=parallel.cp, dp_replicate=parallel.dp_replicate,
+                   dp_shard=parallel.dp_shard)
 
 
 @dataclass
@@ -71,6 +78,8 @@ class ParallelContext:
     """Rank inside the tensor-parallel group."""
     cp_rank: int = 0
     """Rank inside the context-parallel group."""
+    pp_rank: int = 0
+    """Pipeline stage of this rank (0 = first)."""
     dp_rank: int = 0
     """Index among the data-parallel ranks (replicate-major, shard-minor)."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -84,8 +93,14 @@ class ParallelContext:
     """Megatron's tensor-parallel group (None at TP = 1 without distributed)."""
     cp_group: object | None = None
     """Megatron's context-parallel group (None at CP = 1)."""
+    pp_group: object | None = None
+    """Megatron's pipeline-parallel group: the stages of this rank's samples (None at PP = 1)."""
     dp_global_ranks: list[list[int]] = field(default_factory=lambda: [[0]])
-    """For each (CP rank, TP rank) position, the global ranks of its data-parallel group in DP order."""
+    """For each (CP rank, TP rank) position of this rank's pipeline stage, the global ranks of its data-parallel
+    group in DP order."""
+    all_dp_global_ranks: list[list[int]] = field(default_factory=lambda: [[0]])
+    """The same for every pipeline stage, stage after stage (what a collective ``new_group`` over the
+    data-parallel groups needs on every rank)."""
 
     @property
     def dp_size(self) -> int:
@@ -110,15 +125,18 @@ class ParallelContext:
         return self.dp_mesh.get_group("dp_replicate")
 
 
-def _init_megatron(tp: int, cp: int) -> None:
+def _init_megatron(tp: int, cp: int, pp: int) -> None:
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() != tp
-                or parallel_state.get_context_parallel_world_size() != cp):
-            raise ValueError(f"megatron parallel_state is already initialised with other TP/CP sizes than {tp}/{cp}")
+                or parallel_state.get_context_parallel_world_size() != cp
+                or parallel_state.get_pipeline_model_parallel_world_size() != pp):
+            raise ValueError(f"megatron parallel_state is already initialised with other TP/CP/PP sizes than "
+                             f"{tp}/{cp}/{pp}")
         return
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                             pipeline_model_parallel_size=pp)
 
 
 def _check_against_megatron(ctx: ParallelContext, mesh) -> None:
@@ -136,8 +154,9 @@ def _check_against_megatron(ctx: ParallelContext, mesh) -> None:
     if pure_dp != ctx.dp_global_ranks[ctx.cp_rank * ctx.layout.tp + ctx.tp_rank]:
         raise RuntimeError(f"megatron's data-parallel group {pure_dp} differs from the layout's")
     if (parallel_state.get_tensor_model_parallel_rank() != ctx.tp_rank
-            or parallel_state.get_context_parallel_rank() != ctx.cp_rank):
-        raise RuntimeError("megatron's TP or CP rank differs from the mesh's")
+            or parallel_state.get_context_parallel_rank() != ctx.cp_rank
+            or parallel_state.get_pipeline_model_parallel_rank() != ctx.pp_rank):
+        raise RuntimeError("megatron's TP, CP or PP rank differs from the mesh's")
 
 
 def build_parallel_context(layout: Layout, device: torch.device | str = "cpu") -> ParallelContext:
@@ -150,22 +169,28 @@ def build_parallel_context(layout: Layout, device: torch.device | str = "cpu") -
 
     world, rank = dist.get_world_size(), dist.get_rank()
     resolved = layout.resolve(world)
-    replicate, shard, tp, cp = int(resolved.dp_replicate), int(resolved.dp_shard), resolved.tp, resolved.cp
-    _init_megatron(tp, cp)
-    mesh = init_device_mesh(device.type, (replicate, shard * cp, tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    replicate, shard, tp, cp, pp = (int(resolved.dp_replicate), int(resolved.dp_shard), resolved.tp, resolved.cp,
+                                    resolved.pp)
+    _init_megatron(tp, cp, pp)
+    mesh = init_device_mesh(device.type, (pp, replicate, shard * cp, tp),
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
     dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
-    ranks = torch.arange(world).reshape(-1, cp, tp)
-    columns = [ranks[:, c, t].tolist() for c in range(cp) for t in range(tp)]
+    per_stage = world // pp
+    stage = rank // per_stage
+    grid = torch.arange(world).reshape(pp, -1, cp, tp)
+    every = [[grid[s, :, c, t].tolist() for c in range(cp) for t in range(tp)] for s in range(pp)]
+    columns = every[stage]
     ctx = ParallelContext(
         layout=resolved, world_size=world, rank=rank, tp_rank=rank % tp, cp_rank=(rank // tp) % cp,
-        dp_rank=rank // (tp * cp), device=device, dp_mesh=dp_mesh if replicate * shard * cp > 1 else None,
-        dp_group=None, tp_group=None, dp_global_ranks=columns,
+        pp_rank=stage, dp_rank=(rank % per_stage) // (tp * cp), device=device,
+        dp_mesh=dp_mesh if replicate * shard * cp > 1 else None, dp_group=None, tp_group=None,
+        dp_global_ranks=columns, all_dp_global_ranks=[column for columns_of in every for column in columns_of],
     )
     from megatron.core import parallel_state
 
     ctx.tp_group = parallel_state.get_tensor_model_parallel_group()
     ctx.cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
+    ctx.pp_group = parallel_state.get_pipeline_model_parallel_group() if pp > 1 else None
     ctx.dp_group = parallel_state.get_data_parallel_group() if replicate * shard > 1 else None
     _check_against_megatron(ctx, mesh)
     return ctx

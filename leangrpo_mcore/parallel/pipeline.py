@@ -16,9 +16,10 @@ in turn. What megatron reads from the model's config is built here, once per cal
   one call here is one group's share of an update, not the update. So :meth:`GradSync.backward_mode` is both
   ``no_sync_func`` and the context around the whole call, and ``finalize_model_grads_func`` is None: the
   update finishes in ``Schedule.finish_update``. ``grad_sync_func`` is read only by the pipelined schedules.
-- **CPU.** ``forward_backward_no_pipelining`` allocates its token counter with ``device="cuda"``; on a machine
-  without CUDA the call runs with that one allocation redirected to the CPU (:func:`_cpu_token_counter`).
-  Nothing else on this path touches CUDA.
+- **CPU.** ``forward_backward_no_pipelining`` allocates its token counter with ``device="cuda"``, and the
+  point-to-point module of the pipeline stages (:mod:`leangrpo_mcore.parallel.stages`) its receive buffers on
+  ``torch.cuda.current_device()``; on a machine without CUDA those calls run with the allocations redirected to
+  the CPU (:func:`cpu_bridge`). Nothing else on these paths touches CUDA.
 - **phases.** megatron brackets each micro-batch's forward + loss (``forward-compute``) and its backward
   (``backward-compute``) with ``config.timers``; :class:`_PhaseTimers` turns those brackets into the
   project's phase hook, so the step's phase breakdown names exactly what the scheduler ran.
@@ -119,28 +120,50 @@ def _process_groups(cp_size: int) -> ProcessGroupCollection:
     return groups
 
 
+class _CpuCuda:
+    """``torch.cuda`` for megatron's pipeline modules on a machine without CUDA (see :func:`cpu_bridge`)."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    @staticmethod
+    def synchronize(*args, **kwargs) -> None:
+        return None
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """``torch`` for megatron's pipeline modules without CUDA: ``device="cuda"`` and ``torch.cuda.current_device()``
+    allocations land on the CPU, ``torch.cuda.synchronize()`` does nothing."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
 @contextlib.contextmanager
-def _cpu_token_counter() -> Iterator[None]:
-    """Without CUDA, the scheduler's ``torch.zeros(..., device="cuda")`` token counter lives on the CPU."""
+def cpu_bridge() -> Iterator[None]:
+    """Without CUDA, megatron's scheduler (its token counter) and point-to-point module (its receive buffers and
+    stream synchronisations) see :class:`_CpuTorch` for the duration; with CUDA nothing changes."""
     if torch.cuda.is_available():
         yield
         return
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
 
-    class _Torch:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def zeros(*args, device=None, **kwargs):
-            return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-    saved = schedules.torch
-    schedules.torch = _Torch()
+    saved = schedules.torch, p2p_communication.torch
+    schedules.torch = p2p_communication.torch = _CpuTorch()
     try:
         yield
     finally:
-        schedules.torch = saved
+        schedules.torch, p2p_communication.torch = saved
 
 
 def token_count() -> torch.Tensor:
@@ -163,7 +186,7 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     forward_backward = get_forward_backward_func(pp_size=1, vp_size=None)
     stage = _Stage(schedule_config(grad_sync, phase, phases, dtype))
     cp_size = int(grad_sync.ctx.layout.cp)
-    with _cpu_token_counter(), grad_sync.backward_mode():
+    with cpu_bridge(), grad_sync.backward_mode():
         return forward_backward(forward_step_func=forward_step_func, data_iterator=iter(micro_batches),
                                 model=stage, num_microbatches=len(micro_batches), seq_length=0,
                                 micro_batch_size=1, forward_only=forward_only,

@@ -57,6 +57,8 @@ class Case:
     tp: int = 1
     cp: int = 1
     """parallel.cp: the tokens of each sample split over cp ranks."""
+    pp: int = 1
+    """parallel.pp: the blocks split over pp pipeline stages (one per rank of a sample)."""
     heads: Optional[int] = None
     """Attention heads of the tiny policy (None: the preset's 2); tp x cp must divide them."""
     reshard: Optional[bool] = None
@@ -75,6 +77,8 @@ class Outcome:
 
     grads: list[list[np.ndarray]]
     """Per update, the full gradient of every trainable parameter as the optimizer saw it."""
+    names: list[str]
+    """The trainable parameters' names (this rank's pipeline stage: a subset of the whole model's)."""
     params: list[np.ndarray]
     """Trainable parameters after all optimizer steps (full tensors)."""
     rewards: np.ndarray
@@ -108,8 +112,9 @@ def _reward(final: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
     return (final.flatten(1) * weights).sum(1) + 0.1 * prompt_ids.to(torch.float32)
 
 
-def _setup(case: Case):
-    """(policy, velocity fn, latent shape, sigmas, sde kind, noise level, conditioning)."""
+def _setup(case: Case, pp_rank: int = 0):
+    """(policy, velocity fn, latent shape, sigmas, sde kind, noise level, conditioning); at ``case.pp`` > 1 the
+    policy is stage ``pp_rank`` of the whole one, with the whole one's values."""
     from leangrpo_mcore.models import LoRAConfig, apply_lora, build_policy, mark_only_lora_trainable
     from leangrpo_mcore.models.common.tp import full_shape, shard_tensor
 
@@ -123,6 +128,8 @@ def _setup(case: Case):
             for name, param in policy.named_parameters():
                 if "lora_B" in name:  # drawn at full size, then sliced: the same adapters at every TP size
                     param.copy_(shard_tensor(0.3 * torch.randn(full_shape(param), generator=gen), param))
+    if case.pp > 1:
+        policy = _stage_of(policy, case, pp_rank)
     gen = torch.Generator().manual_seed(11)
     p = case.prompts
     if case.family == "flux":
@@ -144,6 +151,22 @@ def _setup(case: Case):
     return policy, velocity, shape, sigmas, kind, noise, cond
 
 
+def _stage_of(whole: torch.nn.Module, case: Case, pp_rank: int) -> torch.nn.Module:
+    """Pipeline stage ``pp_rank`` of ``whole`` (same values, same names, same trainable parameters)."""
+    from leangrpo_mcore.models import LoRAConfig, apply_lora, build_policy, mark_only_lora_trainable
+    from leangrpo_mcore.models.common.pipeline import split_blocks
+
+    heads = {} if case.heads is None else {"num_attention_heads": case.heads}
+    stage = split_blocks(whole.config.num_layers, case.pp)[pp_rank]
+    policy = build_policy({"family": case.family, "preset": "tiny", **heads}, seed=0, backend="local", stage=stage)
+    if case.lora:
+        apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, targets=("to_q", "to_v")), seed=0, require_match=False)
+        mark_only_lora_trainable(policy)
+    values = whole.state_dict()
+    policy.load_state_dict({name: values[name] for name in policy.state_dict()}, strict=True)
+    return policy
+
+
 def _full(t: torch.Tensor, param: torch.nn.Parameter) -> np.ndarray:
     """The whole tensor: FSDP shards all-gathered (``full_tensor``), then tensor-parallel pieces."""
     from leangrpo_mcore.models.common.tp import gather_tensor
@@ -154,9 +177,13 @@ def _full(t: torch.Tensor, param: torch.nn.Parameter) -> np.ndarray:
 
 def run_case(case: Case, reward_fn=None) -> Outcome:
     """Build the tiny policy (FSDP2 over the data-parallel ranks when distributed) and run one step."""
-    ctx = build_parallel_context(Layout(tp=case.tp, cp=case.cp))
-    policy, velocity, shape, sigmas, kind, noise, cond = _setup(case)
+    ctx = build_parallel_context(Layout(tp=case.tp, cp=case.cp, pp=case.pp))
+    policy, velocity, shape, sigmas, kind, noise, cond = _setup(case, ctx.pp_rank)
     apply_fsdp(policy, ctx)
+    if case.pp > 1:
+        from leangrpo_mcore.parallel.stages import StagedVelocity, StageLink
+
+        velocity = StagedVelocity(velocity, StageLink(ctx, torch.float32))
     plan = StepPlan(
         schedule=case.schedule, group_size=case.group_size, prompts_per_step=case.prompts, latent_shape=shape,
         sigmas=sigmas, sde=SDEParams.from_sigmas(kind, noise, sigmas),
@@ -168,14 +195,16 @@ def run_case(case: Case, reward_fn=None) -> Outcome:
         reweight_accumulate=case.accumulate, max_grad_norm=1.0, seed=3, reshard_after_forward=case.reshard,
         async_scoring=case.async_scoring,
     )
-    params = [p for p in policy.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
     optimizer = RecordingSGD(params, lr=0.5)
     engine = StepEngine(plan, policy=policy, velocity_fn=velocity, ctx=ctx, optimizer=optimizer,
                         reward_fn=reward_fn or _reward, keep_trajectories=True)
     result = engine.step(StepInputs(step=5, conditioning=cond, prompt_ids=torch.arange(case.prompts)))
     pieces = [torch.cat([t.latents.flatten(), t.next_latents.flatten(), t.log_probs.flatten()])
               for slot in sorted(result.trajectories) for t in result.trajectories[slot]]
-    return Outcome(grads=optimizer.recorded, params=[_full(p, p) for p in params], rewards=result.rewards.numpy(),
+    return Outcome(grads=optimizer.recorded, names=[name for name, _ in named], params=[_full(p, p) for p in params],
+                   rewards=result.rewards.numpy(),
                    trajectory=torch.cat(pieces).numpy(), ratio=[(u.ratio_min, u.ratio_max) for u in result.updates],
                    buffers=result.updates[0].max_local_grad_buffers,
                    grad_norms=[u.grad_norm for u in result.updates], losses=[u.loss for u in result.updates])

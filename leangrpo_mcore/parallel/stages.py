@@ -1,0 +1,167 @@
+"""Pipeline parallelism (``parallel.pp``): one policy forward handed from stage to stage, lock-step.
+
+The pp ranks of a sample (one per stage, megatron-core's pipeline-parallel group) run the same step program:
+the same groups, draws, rollouts, rewards and schedule hooks, in the same order. Only the policy forward is
+split. Stage s runs its blocks (``models.common.pipeline``) on the boundary tensor received from stage s−1 and
+sends its own boundary to stage s+1; the last stage turns its output into the float32 velocity and broadcasts
+it to the other stages, so every stage continues with the same velocity bit for bit, takes the same SDE step
+and holds the same trajectory. The hand-offs are autograd functions, so that a backward on every stage (each
+one backpropagates the same loss: the schedules do not change) runs the pipeline's backward:
+
+- the last stage's graph starts at the received boundary; its backward sends the boundary's gradient to the
+  stage before (:class:`_Received`);
+- an earlier stage's velocity is the output of :class:`_Handed`, whose forward sends the boundary and receives
+  the velocity, and whose backward ignores the velocity's gradient (the last stage owns it) and continues with
+  the boundary gradient received from the next stage.
+
+Point-to-point transfers go through megatron-core's ``P2PCommunicator`` (``send_forward`` / ``recv_forward`` /
+``send_backward`` / ``recv_backward``, shapes exchanged first); the velocity broadcast is one collective of the
+pipeline group. Lock-step means no pipelining across samples: while one stage computes, the others wait in a
+receive, and that wait is the ``bubble`` phase of the step's breakdown ((pp − 1)/pp of the policy time per
+stage). What each stage holds is its own: its blocks' parameters, gradients, optimizer state, graphs (Retain)
+and provisional gradients (Reweight), all synchronised over the stage's own data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+
+from leangrpo_mcore.diffusion.trajectory import Conditioning
+from leangrpo_mcore.parallel.mesh import ParallelContext
+from leangrpo_mcore.parallel.pipeline import ScheduleConfig, cpu_bridge
+
+PhaseFn = Callable[[str], ContextManager]
+
+BUBBLE = "bubble"
+"""Phase name of the time a stage waits for another stage's forward or backward."""
+
+
+def _no_phase(name: str) -> ContextManager:
+    return contextlib.nullcontext()
+
+
+class StageLink:
+    """This rank's place in its pipeline and the transfers of one forward / backward (see module doc)."""
+
+    def __init__(self, ctx: ParallelContext, dtype: torch.dtype) -> None:
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        if ctx.pp_group is None:
+            raise ValueError("a stage link needs a pipeline-parallel group (parallel.pp > 1)")
+        self.rank, self.size, self.group = ctx.pp_rank, int(ctx.layout.pp), ctx.pp_group
+        self.last_rank = dist.get_global_rank(self.group, self.size - 1)
+        config = ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, batch_p2p_comm=True,
+                                batch_p2p_sync=False)
+        self.comm = P2PCommunicator(pp_group=self.group, config=config)
+        self.phase: PhaseFn = _no_phase
+        """The step's phase hook (set by the step engine per step): waits are timed as :data:`BUBBLE`."""
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank is the first stage (it owns the embedders)."""
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        """Whether this rank is the last stage (it owns the output layers and produces the velocity)."""
+        return self.rank == self.size - 1
+
+    # ------------------------------------------------------------------ transfers
+    def recv_forward(self) -> torch.Tensor:
+        """The previous stage's boundary tensor."""
+        with self.phase(BUBBLE), cpu_bridge():
+            return self.comm.recv_forward((0, 0, 0), is_first_stage=False).detach()
+
+    def send_forward(self, boundary: torch.Tensor) -> None:
+        """Send this stage's boundary tensor to the next stage."""
+        with cpu_bridge():
+            self.comm.send_forward(boundary.detach().contiguous(), is_last_stage=False)
+
+    def recv_backward(self) -> torch.Tensor:
+        """The next stage's gradient of this stage's boundary tensor."""
+        with self.phase(BUBBLE), cpu_bridge():
+            return self.comm.recv_backward((0, 0, 0), is_last_stage=False)
+
+    def send_backward(self, grad: torch.Tensor) -> None:
+        """Send the gradient of the received boundary tensor to the previous stage."""
+        with cpu_bridge():
+            self.comm.send_backward(grad.contiguous(), is_first_stage=False)
+
+    def broadcast_velocity(self, velocity: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        """The last stage's float32 velocity on every stage (``like``: the latents, whose shape it has)."""
+        out = velocity.detach().contiguous() if self.last else torch.empty_like(like, dtype=torch.float32)
+        with self.phase(BUBBLE) if not self.last else contextlib.nullcontext():
+            dist.broadcast(out, src=self.last_rank, group=self.group)
+        return out
+
+    # ------------------------------------------------------------------ autograd hand-offs
+    def received(self) -> torch.Tensor:
+        """The boundary tensor from the previous stage; under grad its backward sends the gradient back."""
+        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
+        return _Received.apply(anchor, self)
+
+    def handed(self, boundary: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Send ``boundary`` on and return the velocity from the last stage; under grad its backward receives
+        the boundary's gradient from the next stage."""
+        return _Handed.apply(boundary, like, self)
+
+
+class _Received(torch.autograd.Function):
+    """Forward: receive the boundary. Backward: send its gradient to the previous stage."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, link: StageLink) -> torch.Tensor:
+        ctx.link = link
+        return link.recv_forward()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.link.send_backward(grad)
+        return torch.zeros(0, dtype=grad.dtype), None
+
+
+class _Handed(torch.autograd.Function):
+    """Forward: send the boundary, receive the velocity. Backward: the boundary gradient from the next stage."""
+
+    @staticmethod
+    def forward(ctx, boundary: torch.Tensor, like: torch.Tensor, link: StageLink) -> torch.Tensor:
+        ctx.link = link
+        link.send_forward(boundary)
+        return link.broadcast_velocity(None, like)
+
+    @staticmethod
+    def backward(ctx, grad_velocity: torch.Tensor):
+        return ctx.link.recv_backward(), None, None
+
+
+class StagedVelocity:
+    """A velocity function whose policy is one pipeline stage (``parallel.pp`` > 1): the same signature and
+    the same float32 velocity on every stage (module doc).
+
+    ``inner`` is the family's velocity function (:mod:`leangrpo_mcore.diffusion.velocity`) around this rank's
+    stage; its :meth:`policy_inputs` / :meth:`velocity_from_output` split the call around the policy forward.
+    """
+
+    def __init__(self, inner, link: StageLink) -> None:
+        self.inner, self.link = inner, link
+        self.policy = inner.policy
+
+    def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """(B, *shape) float32 velocity, identical on every stage."""
+        inputs = self.inner.policy_inputs(latents, sigma, conditioning)
+        if not self.link.first:
+            self.policy.set_input_tensor(self.link.received())
+        out = self.policy(**inputs)
+        if self.link.last:
+            velocity = self.inner.velocity_from_output(out)
+            self.link.broadcast_velocity(velocity, latents)
+            return velocity
+        return self.link.handed(out, latents)
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """The inner function's reference context (adapters disabled on every stage)."""
+        return self.inner.reference()
