@@ -570,6 +570,11 @@ class StepEngine:
         with timer.phase("optimizer"):
             optimizer_step(self.optimizer, self.params, self.lr_scheduler)
         totals = stats.reduced(self.ctx.dp_group, self.ctx.device)
+        if self.ctx.pp_group is not None:  # the losses and ratios are the last stage's (megatron's 1F1B)
+            shared = [totals]
+            dist.broadcast_object_list(shared, src=dist.get_global_rank(self.ctx.pp_group, self.ctx.layout.pp - 1),
+                                       group=self.ctx.pp_group)
+            totals = shared[0]
         return UpdateResult(schedule=schedule.name, loss=totals["loss"], grad_norm=norm, clipped=clipped,
                             ratio_min=totals["ratio_min"], ratio_max=totals["ratio_max"],
                             ratio_mean=totals["ratio_mean"], clip_fraction=totals["clip_fraction"],

@@ -51,20 +51,26 @@ class ScheduleConfig(ModelParallelConfig):
 
     calculate_per_token_loss: bool = True
     """Backpropagate ``loss_func``'s loss as returned (the unit losses carry the update's weight already)."""
+    hidden_size: int = 0
+    """The 1F1B schedules' nominal boundary width; unused: the boundary shapes are exchanged before each
+    transfer (``variable_seq_lengths``)."""
     fine_grained_activation_offloading: bool = False
     """Megatron's activation offloading (unused here)."""
 
 
 class _Stage:
-    """What megatron's scheduler reads from a model: its config, its type, ``set_input_tensor`` (unused at PP=1)."""
+    """What megatron's scheduler reads from a model: its config, its type, ``set_input_tensor``."""
 
     model_type = ModelType.encoder_or_decoder
 
-    def __init__(self, config: ScheduleConfig) -> None:
-        self.config = config
+    def __init__(self, config: ScheduleConfig, policy: Optional[torch.nn.Module] = None) -> None:
+        self.config, self.policy = config, policy
 
     def set_input_tensor(self, input_tensor) -> None:
-        """The first (only) stage takes its inputs from the data iterator."""
+        """Hand the received boundary to the policy stage (pipeline size > 1); the first stage takes its inputs
+        from the data iterator."""
+        if self.policy is not None and not self.policy.stage.pre_process:
+            self.policy.set_input_tensor(input_tensor)
 
 
 class _GroupSize:
@@ -113,10 +119,10 @@ def schedule_config(grad_sync: GradSync, phase: PhaseFn, phases: dict[str, str],
                           timers=_PhaseTimers(phase, phases), barrier_with_L1_time=False)
 
 
-def _process_groups(cp_size: int) -> ProcessGroupCollection:
+def _process_groups(cp_size: int, pp_group=None) -> ProcessGroupCollection:
     groups = ProcessGroupCollection()
     groups.tp, groups.cp, groups.embd, groups.pos_embd = None, _GroupSize(cp_size), None, None
-    groups.pp, groups.dp_cp = None, None
+    groups.pp, groups.dp_cp = pp_group, None
     return groups
 
 
@@ -172,22 +178,42 @@ def token_count() -> torch.Tensor:
     return torch.ones((), dtype=torch.int, device=device)
 
 
+P2P_TIMERS = ("forward-recv", "backward-recv", "forward-send", "backward-send", "forward-send-backward-recv",
+              "backward-send-forward-recv")
+"""megatron's point-to-point timer names: at pipeline size > 1 they are the ``bubble`` phase (transfers and the
+waits for the other stages)."""
+
+
 def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequence, grad_sync: GradSync, *,
                       phase: PhaseFn, phases: dict[str, str], forward_only: bool = False,
-                      dtype: torch.dtype = torch.float32) -> Optional[list]:
+                      dtype: torch.dtype = torch.float32, pipeline: Optional[torch.nn.Module] = None,
+                      ) -> Optional[list]:
     """Run ``micro_batches`` (any objects ``forward_step_func`` draws from its iterator) through megatron's
-    ``get_forward_backward_func()`` at pipeline size 1; returns the scheduler's per-micro-batch ``reduced``.
+    ``get_forward_backward_func()``; returns the scheduler's per-micro-batch ``reduced`` (the last stage's).
 
-    ``phases`` maps megatron's timer names (``forward-compute``, ``backward-compute``) to phase names."""
+    ``phases`` maps megatron's timer names (``forward-compute``, ``backward-compute``) to phase names. With
+    ``pipeline`` (this rank's policy stage, ``parallel.pp`` > 1) the call is megatron's 1F1B schedule over the
+    pipeline group: every stage calls it with the same micro-batches, ``forward_step_func`` returns the boundary
+    tensor on a stage other than the last, the boundaries and their gradients travel in ``dtype``, and the
+    transfers are timed as the ``bubble`` phase."""
     if not micro_batches:
         return []
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    forward_backward = get_forward_backward_func(pp_size=1, vp_size=None)
-    stage = _Stage(schedule_config(grad_sync, phase, phases, dtype))
-    cp_size = int(grad_sync.ctx.layout.cp)
+    ctx = grad_sync.ctx
+    pp = int(ctx.layout.pp) if pipeline is not None else 1
+    if pp > 1:
+        phases = {**phases, **{name: "bubble" for name in P2P_TIMERS}}
+    config = schedule_config(grad_sync, phase, phases, dtype)
+    forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
+    stage = _Stage(config, pipeline)
+    extra = {}
+    if pp > 1:
+        extra["p2p_communicator"] = P2PCommunicator(pp_group=ctx.pp_group, config=config)
     with cpu_bridge(), grad_sync.backward_mode():
         return forward_backward(forward_step_func=forward_step_func, data_iterator=iter(micro_batches),
                                 model=stage, num_microbatches=len(micro_batches), seq_length=0,
                                 micro_batch_size=1, forward_only=forward_only,
-                                pg_collection=_process_groups(cp_size))
+                                pg_collection=_process_groups(int(ctx.layout.cp), ctx.pp_group if pp > 1 else None),
+                                **extra)

@@ -25,7 +25,7 @@ and provisional gradients (Reweight), all synchronised over the stage's own data
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Optional
+from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,8 @@ class StageLink:
         if ctx.pp_group is None:
             raise ValueError("a stage link needs a pipeline-parallel group (parallel.pp > 1)")
         self.rank, self.size, self.group = ctx.pp_rank, int(ctx.layout.pp), ctx.pp_group
+        self.dtype = dtype
+        """dtype of the boundary tensors (the policy's compute dtype)."""
         self.last_rank = dist.get_global_rank(self.group, self.size - 1)
         config = ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, batch_p2p_comm=True,
                                 batch_p2p_sync=False)
@@ -149,10 +151,31 @@ class StagedVelocity:
     def __init__(self, inner, link: StageLink) -> None:
         self.inner, self.link = inner, link
         self.policy = inner.policy
+        self._scheduled = False
+
+    @contextlib.contextmanager
+    def scheduled(self) -> Iterator[None]:
+        """Calls inside are the forwards of megatron's pipelined schedule, which moves the boundaries itself: a
+        stage takes its input from ``set_input_tensor`` (set by the schedule), the last stage returns the velocity
+        without broadcasting it, and the others use :meth:`boundary` instead."""
+        self._scheduled = True
+        try:
+            yield
+        finally:
+            self._scheduled = False
+
+    def boundary(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """This stage's boundary tensor (inside :meth:`scheduled`, on a stage other than the last)."""
+        return self.policy(**self.inner.policy_inputs(latents, sigma, conditioning))
 
     def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
         """(B, *shape) float32 velocity, identical on every stage."""
         inputs = self.inner.policy_inputs(latents, sigma, conditioning)
+        if self._scheduled:
+            if not self.link.last:
+                raise RuntimeError("inside megatron's pipelined schedule a stage other than the last returns its "
+                                   "boundary (StagedVelocity.boundary), not a velocity")
+            return self.inner.velocity_from_output(self.policy(**inputs))
         if not self.link.first:
             self.policy.set_input_tensor(self.link.received())
         out = self.policy(**inputs)

@@ -11,11 +11,15 @@ update after the first one of a rollout (the policy has moved, so the rollout's 
 Units are processed in the canonical order shared with Retain — micro-batches in rollout order, steps
 ascending — so both accumulate the same per-unit gradients in the same order. Each unit is one micro-batch of
 megatron-core's pipeline scheduler (``get_forward_backward_func()``, :mod:`leangrpo_mcore.parallel.pipeline`):
-:meth:`NativeSchedule.forward_step` is its ``forward_step_func``, one scheduler call per group.
+:meth:`NativeSchedule.forward_step` is its ``forward_step_func``, one scheduler call per group. With pipeline
+stages (``parallel.pp`` > 1) the call is megatron's 1F1B schedule over the stages, so that the stages recompute
+different units at once; the reference forwards of the KL term (no grad) run before it, through the stages
+one unit after the other, and each unit carries its reference mean into the schedule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Iterator, Optional
@@ -24,7 +28,12 @@ import torch
 
 from leangrpo_mcore.diffusion.trajectory import Trajectory
 from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
-from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, register_schedule, unit_loss
+from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, kl_value, register_schedule, unit_loss
+
+def pipelined(velocity_fn):
+    """The velocity function's pipeline stages (:class:`~leangrpo_mcore.parallel.stages.StagedVelocity`), or None."""
+    return velocity_fn if hasattr(velocity_fn, "scheduled") else None
+
 
 PHASES = {"forward-compute": "recompute", "backward-compute": "backward"}
 """megatron's timer names → this schedule's phases: forward + loss of a unit, its backward."""
@@ -40,6 +49,8 @@ class RecomputeUnit:
     """(B_mb,) float32 advantages on the trajectory's device."""
     t: int
     """The step."""
+    ref_mean: Optional[torch.Tensor] = None
+    """The reference policy's SDE mean of the step, computed before the schedule (pipeline stages, KL)."""
 
 
 @register_schedule("native")
@@ -55,15 +66,37 @@ class NativeSchedule(Schedule):
             advantages = advantages.to(traj.latents.device)
             units.extend(RecomputeUnit(traj, advantages, t) for t in range(traj.num_steps)
                          if bool(traj.selected[:, t].any()))
-        run_micro_batches(self.forward_step, units, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES)
+        staged = pipelined(self.ctx.velocity_fn)
+        if staged is None:
+            run_micro_batches(self.forward_step, units, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES)
+            return
+        if self.ctx.objective.kl_beta > 0:
+            units = [dataclasses.replace(unit, ref_mean=self._reference(unit)) for unit in units]
+        with staged.scheduled():
+            run_micro_batches(self.forward_step, units, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES,
+                              dtype=staged.link.dtype, pipeline=staged.policy)
 
-    def forward_step(self, data_iterator: Iterator[RecomputeUnit], model) -> tuple[torch.Tensor, Callable]:
-        """megatron's ``forward_step_func``: the unit's recompute; its loss is formed by the returned loss_func."""
+    def _reference(self, unit: RecomputeUnit) -> torch.Tensor:
+        traj, t = unit.traj, unit.t
+        return self.reference_mean(traj.latents[:, t], traj.next_latents[:, t], traj.sigmas[:, t],
+                                   traj.sigmas[:, t + 1], traj.conditioning)
+
+    def forward_step(self, data_iterator: Iterator[RecomputeUnit], model) -> tuple[torch.Tensor, Optional[Callable]]:
+        """megatron's ``forward_step_func``: the unit's recompute; its loss is formed by the returned loss_func.
+        On a pipeline stage other than the last: the unit's boundary tensor (the schedule sends it on)."""
         unit = next(data_iterator)
         traj, t = unit.traj, unit.t
+        staged = pipelined(self.ctx.velocity_fn)
+        if staged is not None and not staged.link.last:
+            with torch.enable_grad(), self.ctx.precision(True):
+                return staged.boundary(traj.latents[:, t], traj.sigmas[:, t], traj.conditioning), None
         out = self.recompute(traj, t)
-        kl = self.step_kl(out.mean, out.std, traj.latents[:, t], traj.next_latents[:, t],
-                          traj.sigmas[:, t], traj.sigmas[:, t + 1], traj.conditioning)
+        sigma, sigma_next = traj.sigmas[:, t], traj.sigmas[:, t + 1]
+        if unit.ref_mean is not None:
+            kl = kl_value(self.ctx.sde, self.ctx.objective, out.mean, unit.ref_mean, out.std, sigma, sigma_next)
+        else:
+            kl = self.step_kl(out.mean, out.std, traj.latents[:, t], traj.next_latents[:, t], sigma, sigma_next,
+                              traj.conditioning)
         return out.log_prob, partial(self.loss_func, unit, kl)
 
     def loss_func(self, unit: RecomputeUnit, kl: Optional[torch.Tensor], log_prob: torch.Tensor):

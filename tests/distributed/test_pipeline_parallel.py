@@ -2,7 +2,7 @@
 equals the same step at world size 1, and a checkpoint written at pp=2 continues at pp=1.
 
 - pp=2 on 2 ranks (one sample's two stages): FLUX full fine-tune, and Wan with LoRA, a KL term, CFG and
-  global-std advantages. Each stage's gradients are exactly its parameters' gradients of the world-size-1 step
+  global-std advantages; Native's recompute runs as megatron's 1F1B schedule over the stages. Each stage's gradients are exactly its parameters' gradients of the world-size-1 step
   (the tests allow 1e-5 relative), the stages partition the trainable parameters, and both stages hold the
   rollout of the single-process run bit for bit, with its rewards, loss and global gradient norm.
 - pp=2 x dp_shard=2 on 4 ranks: the same FLUX step with FSDP2 inside each stage (1e-5 relative: the
@@ -38,11 +38,26 @@ COMMON = ("reward.name=tests.unit.test_precision:contrast", "checkpoint.save_eve
 
 
 def _run_all(rank: int, world_size: int, cases: dict) -> dict:
+    """Every case on this rank, and the pipeline sizes megatron's ``get_forward_backward_func`` was asked for."""
+    import megatron.core.pipeline_parallel as mcore_pp
+
     from leangrpo_mcore.parallel.mesh import destroy_parallel_context
 
-    out = {name: run_case(case) for name, case in cases.items()}
+    real, sizes = mcore_pp.get_forward_backward_func, {}
+
+    def spied(pp_size=None, vp_size=None):
+        sizes.setdefault(current, []).append(pp_size)
+        return real(pp_size=pp_size, vp_size=vp_size)
+
+    mcore_pp.get_forward_backward_func = spied
+    out = {}
+    try:
+        for current, case in cases.items():
+            out[current] = run_case(case)
+    finally:
+        mcore_pp.get_forward_backward_func = real
     destroy_parallel_context()
-    return out
+    return {**out, "pp_sizes": sizes}
 
 
 def _reference(cases: dict) -> dict:
@@ -69,6 +84,8 @@ def two_stages():
 
 def test_pp2_equals_world_size_1(two_stages):
     ranks, reference = two_stages
+    for rank in ranks:  # Native's recompute is megatron's 1F1B over the two stages, one call per group
+        assert rank["pp_sizes"]["flux_native"] == [2, 2] and rank["pp_sizes"]["wan_native"] == [2, 2]
     for name, ref in reference.items():
         first, last = ranks[0][name], ranks[1][name]
         assert first.names and last.names and not set(first.names) & set(last.names), name
