@@ -14,7 +14,7 @@ from PIL import Image, ImageDraw, ImageFont
 from leangrpo_mcore.bench.report import PHASE_LABELS, PHASES
 
 COLORS = {"rollout_nograd_forward": (76, 114, 176), "rollout_grad_forward": (129, 178, 235),
-          "recompute": (221, 132, 82), "backward": (196, 78, 82), "sync": (129, 114, 178),
+          "recompute": (221, 132, 82), "backward": (196, 78, 82), "sync": (129, 114, 178), "bubble": (240, 200, 80),
           "reward": (85, 168, 104), "optimizer": (147, 120, 96), "other": (180, 180, 180)}
 BAR, GAP, LEFT, TOP, PLOT_H, LEGEND_W = 56, 26, 70, 50, 300, 190
 

@@ -77,11 +77,14 @@ class ForwardProbe:
     def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Any) -> torch.Tensor:
         """The wrapped velocity, timed (the device is synchronised around the call)."""
         kind = self._kind()
+        link = getattr(self.inner, "link", None)  # pipeline stages: the waits for other stages are the bubble
+        waited = link.waited if link is not None else 0.0
         synchronize(self.device)
         start = time.perf_counter()
         out = self.inner(latents, sigma, conditioning)
         synchronize(self.device)
-        self.tally.seconds[kind] += time.perf_counter() - start
+        waited = (link.waited - waited) if link is not None else 0.0
+        self.tally.seconds[kind] += time.perf_counter() - start - waited
         self.tally.rows[kind] += int(latents.shape[0])
         return out
 

@@ -2,7 +2,8 @@
 
 A step's wall time is split into :data:`PHASES`, which sum to it exactly: the forward kinds measured by
 :class:`~leangrpo_mcore.bench.probe.ForwardProbe` and the engine's phase timer, with ``other`` the rest
-(SDE and log-prob math of the rollout, KL reference forwards during the rollout, bookkeeping).
+(SDE and log-prob math of the rollout, KL reference forwards during the rollout, bookkeeping). With pipeline
+stages, ``bubble`` is the time a stage waits for the others (and transfers), taken out of the forward kinds.
 
 The ideal ratio is the speedup a recompute-free schedule would reach if a step cost only its
 policy forwards and backwards: per trajectory Native costs T·F + |S|·(F + B), a Lean schedule T·F + |S|·B,
@@ -19,11 +20,11 @@ from typing import Optional
 
 from leangrpo_mcore.bench.probe import ForwardTally
 
-PHASES = ("rollout_nograd_forward", "rollout_grad_forward", "recompute", "backward", "sync", "reward",
+PHASES = ("rollout_nograd_forward", "rollout_grad_forward", "recompute", "backward", "sync", "bubble", "reward",
           "optimizer", "other")
 PHASE_LABELS = {"rollout_nograd_forward": "rollout fwd (no grad)", "rollout_grad_forward": "rollout fwd (grad)",
-                "recompute": "recompute", "backward": "backward", "sync": "grad sync", "reward": "reward",
-                "optimizer": "clip + optimizer", "other": "other"}
+                "recompute": "recompute", "backward": "backward", "sync": "grad sync", "bubble": "pipeline bubble",
+                "reward": "reward", "optimizer": "clip + optimizer", "other": "other"}
 
 
 @dataclass
@@ -51,6 +52,7 @@ def split_phases(seconds: float, timings: dict[str, float], tally: ForwardTally)
         "recompute": timings.get("recompute", 0.0),
         "backward": timings.get("backward", 0.0),
         "sync": timings.get("sync", 0.0),
+        "bubble": timings.get("bubble", 0.0),
         "reward": timings.get("reward", 0.0) + timings.get("advantage", 0.0),
         "optimizer": timings.get("clip", 0.0) + timings.get("optimizer", 0.0),
     }

@@ -25,6 +25,7 @@ and provisional gradients (Reweight), all synchronised over the stage's own data
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
@@ -61,6 +62,17 @@ class StageLink:
         self.comm = P2PCommunicator(pp_group=self.group, config=config)
         self.phase: PhaseFn = _no_phase
         """The step's phase hook (set by the step engine per step): waits are timed as :data:`BUBBLE`."""
+        self.waited = 0.0
+        """Seconds spent in :data:`BUBBLE` so far (a forward's timer subtracts what it waited inside)."""
+
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            with self.phase(BUBBLE):
+                yield
+        finally:
+            self.waited += time.perf_counter() - start
 
     @property
     def first(self) -> bool:
@@ -75,7 +87,7 @@ class StageLink:
     # ------------------------------------------------------------------ transfers
     def recv_forward(self) -> torch.Tensor:
         """The previous stage's boundary tensor."""
-        with self.phase(BUBBLE), cpu_bridge():
+        with self._waiting(), cpu_bridge():
             return self.comm.recv_forward((0, 0, 0), is_first_stage=False).detach()
 
     def send_forward(self, boundary: torch.Tensor) -> None:
@@ -85,7 +97,7 @@ class StageLink:
 
     def recv_backward(self) -> torch.Tensor:
         """The next stage's gradient of this stage's boundary tensor."""
-        with self.phase(BUBBLE), cpu_bridge():
+        with self._waiting(), cpu_bridge():
             return self.comm.recv_backward((0, 0, 0), is_last_stage=False)
 
     def send_backward(self, grad: torch.Tensor) -> None:
@@ -96,7 +108,7 @@ class StageLink:
     def broadcast_velocity(self, velocity: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """The last stage's float32 velocity on every stage (``like``: the latents, whose shape it has)."""
         out = velocity.detach().contiguous() if self.last else torch.empty_like(like, dtype=torch.float32)
-        with self.phase(BUBBLE) if not self.last else contextlib.nullcontext():
+        with self._waiting() if not self.last else contextlib.nullcontext():
             dist.broadcast(out, src=self.last_rank, group=self.group)
         return out
 

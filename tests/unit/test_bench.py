@@ -4,6 +4,8 @@ import contextlib
 import json
 import math
 
+import time
+
 import pytest
 import torch
 from PIL import Image
@@ -43,6 +45,28 @@ def test_split_phases_sums_to_the_wall_time():
     # other = the rollout's non-forward 0.5 s + 0.5 s outside every timed phase.
     assert phases["other"] == pytest.approx(1.0)
     assert sum(phases.values()) == pytest.approx(4.5)
+
+
+def test_pipeline_bubble_is_its_own_phase_and_leaves_the_forward_tally():
+    from types import SimpleNamespace
+
+    class Waiting:
+        """A velocity function whose call spends 0.05 s waiting for another stage (as StageLink counts it)."""
+
+        link = SimpleNamespace(waited=0.0)
+
+        def __call__(self, latents, sigma, conditioning):
+            time.sleep(0.06)
+            self.link.waited += 0.05
+            return latents
+
+    probe = ForwardProbe(Waiting(), torch.device("cpu"))
+    probe.begin_step(recompute_free=False)
+    with torch.no_grad():
+        probe(torch.zeros(2, 3), torch.zeros(2), None)
+    assert 0.005 <= probe.tally.seconds["nograd"] < 0.05  # the 0.05 s wait is not forward time
+    phases = split_phases(1.0, {"bubble": 0.25, "recompute": 0.25}, probe.tally)
+    assert phases["bubble"] == 0.25 and sum(phases.values()) == pytest.approx(1.0)
 
 
 def test_parse_schedules_and_options_reject_bad_input():
