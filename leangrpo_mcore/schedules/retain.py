@@ -12,17 +12,26 @@ the same sum but accumulate the per-graph gradients in the engine's internal ord
 makes the accumulated gradient bitwise equal to Native's whenever the forwards are deterministic and the
 gradient sync is the same: coalesced by default (one reduce-scatter per update), or per backward (after
 each graph) to match the per-backward baseline bit for bit (``StepPlan.sync``). Memory grows with the number of kept graphs (|S| × micro-batches in flight).
+
+Each kept graph is one micro-batch of megatron-core's pipeline scheduler (``get_forward_backward_func()``,
+:mod:`leangrpo_mcore.parallel.pipeline`), one call per group: its ``forward_step_func`` hands the scheduler the
+kept log p (the forward ran in the rollout), the loss function forms the unit loss and the scheduler runs the
+backward. A schedule of 1F1B cannot hold Retain's deferred backward (its forwards are the rollout's, long before
+the advantage exists); with pipeline stages each stage's scheduler call backpropagates its part of the kept
+graphs, the stages handing the boundary gradients back in lock-step (:mod:`leangrpo_mcore.parallel.stages`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from functools import partial
+from typing import Callable, Iterator, Optional
 
 import torch
 
 from leangrpo_mcore.diffusion.sampler import StepRecord
 from leangrpo_mcore.diffusion.trajectory import Conditioning
+from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
 from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, UnitKey, register_schedule, unit_loss
 
 
@@ -34,6 +43,18 @@ class _KeptUnit:
     """(B,) KL with its graph, or None."""
     train: torch.Tensor
     """(B,) bool."""
+
+
+@dataclass
+class _Backward:
+    """One megatron micro-batch: a kept graph and the advantages of its micro-batch."""
+
+    unit: _KeptUnit
+    advantages: torch.Tensor
+
+
+PHASES = {"backward-compute": "backward"}
+"""megatron's timer names → this schedule's phases (forming the loss of a kept graph is not timed apart)."""
 
 
 @register_schedule("retain")
@@ -61,17 +82,24 @@ class RetainSchedule(Schedule):
         return keep
 
     def on_advantages(self, group: GroupUpdate) -> None:
-        """Backpropagate the group's kept graphs, scaled by their advantages, and free them."""
-        objective = self.ctx.objective
+        """Backpropagate the group's kept graphs, scaled by their advantages (one megatron micro-batch each, in
+        the canonical order); each graph's buffers are freed by its backward."""
+        backwards = []
         for mb, advantages in enumerate(group.advantages):
             units = self._kept.pop((group.index, mb), [])
             advantages = advantages.to(units[0].log_prob.device) if units else advantages
-            while units:
-                unit = units.pop(0)
-                loss, ratio = unit_loss(unit.log_prob, unit.log_prob.detach(), advantages, unit.train, self.weight,
-                                        objective, unit.kl)
-                del unit
-                with self.ctx.phase("backward"):
-                    self.ctx.grad_sync.backward(loss)
-                self.stats.add(ratio, loss)
-                del loss
+            backwards.extend(_Backward(unit, advantages) for unit in units)
+        run_micro_batches(self.forward_step, backwards, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES)
+
+    def forward_step(self, data_iterator: Iterator[_Backward], model) -> tuple[torch.Tensor, Callable]:
+        """megatron's ``forward_step_func``: the kept log p of the next graph (its forward was the rollout's)."""
+        backward = next(data_iterator)
+        return backward.unit.log_prob, partial(self.loss_func, backward)
+
+    def loss_func(self, backward: _Backward, log_prob: torch.Tensor):
+        """(loss, num_tokens, reduced): the unit loss at ρ ≡ 1 (see parallel/pipeline.py)."""
+        unit = backward.unit
+        loss, ratio = unit_loss(log_prob, log_prob.detach(), backward.advantages, unit.train, self.weight,
+                                self.ctx.objective, unit.kl)
+        self.stats.add(ratio, loss)
+        return loss, token_count(), {"loss": loss.detach()}

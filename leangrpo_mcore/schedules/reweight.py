@@ -19,6 +19,11 @@ Options and exactness (never approximate silently):
   of the same graph) into an unscaled accumulator that joins the group's reduction (one accumulator per
   group, so that a group rolled out while the one before still waits for its rewards keeps its own; with
   global std one for the whole step, reduced with the first group).
+- megatron-core's scheduler: every backward that frees its graph is one micro-batch of
+  ``get_forward_backward_func()`` (:mod:`leangrpo_mcore.parallel.pipeline`), the gradient sync held off by its
+  ``no_sync_func`` (the coalesced mode: the provisional gradient stays in the local slot) and moved out right after
+  the call; the correction and the one reduction per group run after the scheduler, in ``on_advantages``. A
+  backward that must keep its graph for a second one (the KL part) is a plain autograd call.
 - global std: A_i = (r_i − mean_g)/(std_global + eps). When the clamp provably cannot fire, each group's
   Σ (r_i − mean_g)·P_i is folded as soon as the group's rewards are gathered and the sum is multiplied by
   α = 1/(std_global + eps) once at the end of the update. Otherwise the per-sample buffers are kept until
@@ -36,6 +41,7 @@ import torch
 from leangrpo_mcore.diffusion.sampler import StepRecord
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.parallel.grad_sync import LocalGrads, grads_add_
+from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
 from leangrpo_mcore.parallel.precision import torch_dtype
 from leangrpo_mcore.schedules.base import (
     GroupUpdate,
@@ -94,6 +100,20 @@ def plan_reweight(accumulate: str, *, advantage: str, group_size: int, prompts_p
     return ReweightPlan(accumulate="per_sample", global_fold=False, note=note, global_std=global_std)
 
 
+PHASES = {"backward-compute": "backward"}
+"""megatron's timer names → this schedule's phases."""
+
+
+def _formed(data_iterator: Iterator[torch.Tensor], model) -> tuple[torch.Tensor, Callable]:
+    """megatron's ``forward_step_func`` of a loss formed already (its forward was the rollout's)."""
+    return next(data_iterator), _as_loss
+
+
+def _as_loss(loss: torch.Tensor):
+    """(loss, num_tokens, reduced) of a formed loss (see parallel/pipeline.py)."""
+    return loss, token_count(), {"loss": loss.detach()}
+
+
 def _scaled_sum(terms: list[tuple[float, LocalGrads]]) -> LocalGrads:
     """Σ scale·grads, consuming the buffers (the first is scaled in place)."""
     out: Optional[LocalGrads] = None
@@ -132,11 +152,17 @@ class ReweightSchedule(Schedule):
 
     # ------------------------------------------------------------------ rollout: immediate backward
     def _backward_into(self, target: Optional[LocalGrads], loss: torch.Tensor, retain_graph: bool) -> LocalGrads:
+        """Backpropagate ``loss`` into ``target`` (or an empty slot) and move the result out. The last backward of
+        a graph is a megatron micro-batch; one whose graph is backpropagated again (the KL part, another row of a
+        batched graph) keeps it, which megatron's backward cannot, and runs as a plain autograd call."""
         sync = self.ctx.grad_sync
         if target is not None:
             sync.put_local(self._to_slot(target))
-        with self.ctx.phase("backward"):
-            sync.backward_local(loss, retain_graph=retain_graph)
+        if retain_graph:
+            with self.ctx.phase("backward"):
+                sync.backward_local(loss, retain_graph=True)
+        else:
+            run_micro_batches(_formed, [loss], sync, phase=self.ctx.phase, phases=PHASES)
         grads = sync.take_local()
         self._slot_dtypes = [None if g is None else g.dtype for g in grads]
         if self.plan.provisional_dtype is None:

@@ -39,6 +39,19 @@ def test_native_units_are_megatron_micro_batches(monkeypatch):
     assert calls == [2 * 3, 2 * 3]  # one scheduler call per group: 2 samples × 3 selected steps
 
 
+def test_retain_and_reweight_backwards_are_megatron_micro_batches(monkeypatch):
+    calls = _spy(monkeypatch)
+    case = Case(schedule="retain", group_size=2, prompts=2, num_steps=4)
+    run_case(case)
+    assert calls == [2 * 3, 2 * 3]  # the kept graphs of each group: one scheduler call per group
+    calls.clear()
+    run_case(case.but(schedule="reweight"))
+    assert calls == [1] * (2 * 2 * 3)  # each (sample, step)'s immediate backward, as it happens
+    calls.clear()
+    run_case(case.but(schedule="reweight", family="wan", lora=True, kl_beta=20.0))
+    assert calls == [1] * (2 * 2 * 3)  # the KL part keeps its graph for the second backward: not a micro-batch
+
+
 def test_scheduler_gradients_and_phases_match_a_plain_loop():
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
