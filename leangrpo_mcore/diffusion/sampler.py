@@ -188,6 +188,109 @@ def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tens
     return prev, log_prob
 
 
+class RolloutLoop:
+    """The denoising loop of one micro-batch, one step at a time (:func:`rollout` drives one to the end;
+    :func:`rollout_together` several in lock-step, each step's forwards handed over at once). Arguments are those
+    of :func:`rollout`."""
+
+    def __init__(self, init_latents: torch.Tensor, sigmas: torch.Tensor, conditioning: Conditioning, *,
+                 sde: SDEParams, selected: torch.Tensor, sde_steps: torch.Tensor, noise_seeds: torch.Tensor,
+                 prompt_ids: torch.Tensor, generation_ids: torch.Tensor,
+                 grad_steps: torch.Tensor | set[int] | None = None, on_step: StepCallback | None = None,
+                 forward_context: Callable[[bool], ContextManager] | None = None, split: LatentPieces | None = None,
+                 per_sample_grad: bool = False) -> None:
+        batch, steps = init_latents.shape[0], noise_seeds.shape[1]
+        self.grad_steps = _grad_mask(grad_steps, selected)
+        self.forward_context = forward_context or (lambda grad: contextlib.nullcontext())
+        _check_masks(steps, batch, selected=selected, sde_steps=sde_steps, grad_steps=self.grad_steps)
+        if bool((selected & ~sde_steps).any()):
+            raise ValueError("every selected step must be an SDE step (an ODE step has no log-density)")
+        self.sigmas = _as_batch_sigmas(sigmas, batch).to(init_latents.device)
+        if self.sigmas.shape[1] != steps + 1:
+            raise ValueError(f"sigmas have {self.sigmas.shape[1]} entries for {steps} steps (need T+1)")
+        x = init_latents.detach().to(torch.float32)
+        self.x = split.shard(x).contiguous() if split is not None else x
+        self.conditioning, self.sde, self.selected, self.sde_steps = conditioning, sde, selected, sde_steps
+        self.noise_seeds, self.prompt_ids, self.generation_ids = noise_seeds, prompt_ids, generation_ids
+        self.on_step, self.split, self.per_sample_grad = on_step, split, per_sample_grad
+        self.steps, self.t = steps, 0
+        self._xs: list[torch.Tensor] = []
+        self._next_xs: list[torch.Tensor] = []
+        self._log_probs: list[torch.Tensor] = []
+
+    @property
+    def done(self) -> bool:
+        """Whether every step has been taken."""
+        return self.t >= self.steps
+
+    @property
+    def grad(self) -> bool:
+        """Whether the next step's forward runs with gradients."""
+        return bool(self.grad_steps[:, self.t].any())
+
+    def request(self) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:
+        """(x_t, σ_t, conditioning): what the next step's forward takes."""
+        return self.x, self.sigmas[:, self.t], self.conditioning
+
+    def step(self, velocity_fn: VelocityFn) -> None:
+        """Take the next step, calling ``velocity_fn`` for its forward(s)."""
+        t, x = self.t, self.x
+        sigma, sigma_next = self.sigmas[:, t], self.sigmas[:, t + 1]
+        grad, train = self.grad, self.selected[:, t] & self.grad_steps[:, t]
+        generators = step_generators(self.noise_seeds, t)
+        if grad and self.per_sample_grad:
+            def hand_over(row: int, row_sde: SDEStep | None, row_prev: torch.Tensor) -> None:
+                if self.on_step is not None:
+                    self.on_step(StepRecord(t=t, latents=x[[row]], next_latents=row_prev, sigma=sigma[[row]],
+                                            sigma_next=sigma_next[[row]], sde=row_sde, train=train[[row]], grad=True,
+                                            row=row))
+
+            prev, log_prob = _per_sample_step(velocity_fn, x, sigma, sigma_next, self.conditioning, train,
+                                              self.sde_steps[:, t], self.sde, generators, self.split,
+                                              self.forward_context, hand_over)
+            self._record(None, prev, log_prob, train, False)  # each row's graph was handed over before
+            return
+        with torch.set_grad_enabled(grad), self.forward_context(grad):
+            velocity = velocity_fn(x, sigma, self.conditioning)
+            out, prev, log_prob = _advance(velocity, x, sigma, sigma_next, self.sde_steps[:, t], self.sde, generators,
+                                           self.split)
+        del velocity
+        self._record(out, prev, log_prob, train, grad)
+
+    def step_with(self, velocity: torch.Tensor) -> None:
+        """Take the next step, a no-grad one, with its ``velocity`` computed elsewhere (:func:`rollout_together`)."""
+        if self.grad:
+            raise RuntimeError(f"step {self.t} runs with gradients: its forward must be the loop's own (step)")
+        t = self.t
+        with torch.no_grad():
+            out, prev, log_prob = _advance(velocity, self.x, self.sigmas[:, t], self.sigmas[:, t + 1],
+                                           self.sde_steps[:, t], self.sde, step_generators(self.noise_seeds, t),
+                                           self.split)
+        self._record(out, prev, log_prob, self.selected[:, t] & self.grad_steps[:, t], False)
+
+    def _record(self, out: SDEStep | None, prev: torch.Tensor, log_prob: torch.Tensor, train: torch.Tensor,
+                grad: bool) -> None:
+        t, x = self.t, self.x
+        self._xs.append(x)
+        self._next_xs.append(prev)
+        self._log_probs.append(log_prob.to(torch.float32))
+        if self.on_step is not None:
+            self.on_step(StepRecord(t=t, latents=x, next_latents=prev, sigma=self.sigmas[:, t],
+                                    sigma_next=self.sigmas[:, t + 1], sde=out, train=train, grad=grad))
+        self.x, self.t = prev, t + 1
+
+    def trajectory(self) -> Trajectory:
+        """The float32 :class:`Trajectory` (detached), once :attr:`done`."""
+        if not self.done:
+            raise RuntimeError(f"the rollout is at step {self.t} of {self.steps}")
+        return Trajectory(
+            latents=torch.stack(self._xs, dim=1), next_latents=torch.stack(self._next_xs, dim=1),
+            log_probs=torch.stack(self._log_probs, dim=1), sigmas=self.sigmas, selected=self.selected.clone(),
+            prompt_ids=self.prompt_ids.to(torch.long), generation_ids=self.generation_ids.to(torch.long),
+            conditioning=self.conditioning, final_latents=self.x,
+        )
+
+
 def rollout(
     velocity_fn: VelocityFn,
     init_latents: torch.Tensor,
@@ -218,54 +321,34 @@ def rollout(
     trajectory are this rank's pieces (module doc). ``per_sample_grad`` runs the trained rows of a step with
     gradients one at a time (:attr:`StepRecord.row`). Returns the float32 :class:`Trajectory` (detached).
     """
-    batch, steps = init_latents.shape[0], noise_seeds.shape[1]
-    grad_steps = _grad_mask(grad_steps, selected)
-    forward_context = forward_context or (lambda grad: contextlib.nullcontext())
-    _check_masks(steps, batch, selected=selected, sde_steps=sde_steps, grad_steps=grad_steps)
-    if bool((selected & ~sde_steps).any()):
-        raise ValueError("every selected step must be an SDE step (an ODE step has no log-density)")
-    batch_sigmas = _as_batch_sigmas(sigmas, batch).to(init_latents.device)
-    if batch_sigmas.shape[1] != steps + 1:
-        raise ValueError(f"sigmas have {batch_sigmas.shape[1]} entries for {steps} steps (need T+1)")
-    x = init_latents.detach().to(torch.float32)
-    if split is not None:
-        x = split.shard(x).contiguous()
-    xs, next_xs, log_probs = [], [], []
-    for t in range(steps):
-        sigma, sigma_next = batch_sigmas[:, t], batch_sigmas[:, t + 1]
-        grad, train = bool(grad_steps[:, t].any()), selected[:, t] & grad_steps[:, t]
-        generators = step_generators(noise_seeds, t)
-        out = None
-        if grad and per_sample_grad:
-            def hand_over(row: int, row_sde: SDEStep | None, row_prev: torch.Tensor) -> None:
-                if on_step is not None:
-                    on_step(StepRecord(t=t, latents=x[[row]], next_latents=row_prev, sigma=sigma[[row]],
-                                       sigma_next=sigma_next[[row]], sde=row_sde, train=train[[row]], grad=True,
-                                       row=row))
+    loop = RolloutLoop(init_latents, sigmas, conditioning, sde=sde, selected=selected, sde_steps=sde_steps,
+                       noise_seeds=noise_seeds, prompt_ids=prompt_ids, generation_ids=generation_ids,
+                       grad_steps=grad_steps, on_step=on_step, forward_context=forward_context, split=split,
+                       per_sample_grad=per_sample_grad)
+    while not loop.done:
+        loop.step(velocity_fn)
+    return loop.trajectory()
 
-            prev, log_prob = _per_sample_step(velocity_fn, x, sigma, sigma_next, conditioning, train,
-                                              sde_steps[:, t], sde, generators, split, forward_context, hand_over)
-            grad = False  # the step's own record below carries no graph: each row's came before it
-        else:
-            with torch.set_grad_enabled(grad), forward_context(grad):
-                velocity = velocity_fn(x, sigma, conditioning)
-                out, prev, log_prob = _advance(velocity, x, sigma, sigma_next, sde_steps[:, t], sde, generators,
-                                               split)
-            del velocity
-        xs.append(x)
-        next_xs.append(prev)
-        log_probs.append(log_prob.to(torch.float32))
-        if on_step is not None:
-            on_step(StepRecord(t=t, latents=x, next_latents=prev, sigma=sigma, sigma_next=sigma_next, sde=out,
-                               train=train, grad=grad))
-        del out
-        x = prev
-    return Trajectory(
-        latents=torch.stack(xs, dim=1), next_latents=torch.stack(next_xs, dim=1),
-        log_probs=torch.stack(log_probs, dim=1), sigmas=batch_sigmas, selected=selected.clone(),
-        prompt_ids=prompt_ids.to(torch.long), generation_ids=generation_ids.to(torch.long),
-        conditioning=conditioning, final_latents=x,
-    )
+
+ManyVelocities = Callable[[list[tuple[torch.Tensor, torch.Tensor, Conditioning]]], list[torch.Tensor]]
+"""``velocities([(latents, sigma, conditioning), ...]) -> [velocity, ...]``: several no-grad forwards at once
+(pipeline stages: :meth:`leangrpo_mcore.parallel.stages.StagedVelocity.velocities`)."""
+
+
+def rollout_together(loops: list[RolloutLoop], velocity_fn: VelocityFn, velocities: ManyVelocities) -> None:
+    """Run ``loops`` to the end in lock-step: a step in which no loop needs gradients hands all their forwards to
+    ``velocities`` at once (entered in each loop's no-grad forward context); any other step runs each loop's own
+    forwards through ``velocity_fn``. Every loop takes exactly the steps it takes alone."""
+    while not all(loop.done for loop in loops):
+        active = [loop for loop in loops if not loop.done]
+        if any(loop.grad for loop in active):
+            for loop in active:
+                loop.step(velocity_fn)
+            continue
+        with torch.no_grad(), active[0].forward_context(False):
+            out = velocities([loop.request() for loop in active])
+        for loop, velocity in zip(active, out):
+            loop.step_with(velocity)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.config.schema import Config
-from leangrpo_mcore.diffusion.sampler import SDEParams, draw_rollout_inputs, rollout
+from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, draw_rollout_inputs, rollout_together
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.diffusion.velocity import SplitVelocity
@@ -444,40 +444,57 @@ class StepEngine:
     def _roll_out_group(self, inputs: StepInputs, share: PromptShare, schedule,
                         timer: PhaseTimer) -> GroupRecord | ScoringGroup:
         """Roll out and score this rank's generations of one prompt, micro-batch by micro-batch (with async
-        scoring: roll out, and submit each micro-batch for scoring)."""
-        plan, device = self.plan, self.ctx.device
+        scoring: roll out, and submit each micro-batch for scoring). With pipeline stages a rollout without
+        gradients runs all the micro-batches together (their forwards pipelined over the stages), then scores."""
+        plan = self.plan
         gens = list(share.generation_ids)
-        trajectories, rewards = [], []
-        for mb, start in enumerate(range(0, len(gens), plan.micro_batch)):
-            ids = gens[start:start + plan.micro_batch]
-            slots = [share.prompt_slot] * len(ids)
-            draws = draw_rollout_inputs(base_seed=plan.seed, step=inputs.step, prompt_slots=slots, generation_ids=ids,
-                                        latent_shape=plan.latent_shape, num_steps=plan.num_steps,
-                                        selection=plan.selection, same_latent=plan.same_latent, device=device)
-            cond = inputs.conditioning.select(slots).to(device)
-            prompt_ids = inputs.prompt_ids[torch.tensor(slots, dtype=torch.long)]
-            key = (share.prompt_slot, mb)
+        batches = [gens[start:start + plan.micro_batch] for start in range(0, len(gens), plan.micro_batch)]
+        many = getattr(self.velocity_fn, "velocities", None)
+        together = many is not None and (schedule is None or not schedule.recompute_free)
+        loops = {}
+        if together:  # pipeline stages, no gradients: the micro-batches flow through the stages step after step
+            loops = {mb: self._rollout_loop(inputs, share, mb, ids, schedule) for mb, ids in enumerate(batches)}
             with timer.phase("rollout"):
-                traj = rollout(self.velocity_fn, draws.init_latents, plan.sigmas, cond, sde=plan.sde,
-                               selected=draws.selected, sde_steps=draws.sde_steps, noise_seeds=draws.noise_seeds,
-                               prompt_ids=prompt_ids, generation_ids=torch.tensor(ids, dtype=torch.long),
-                               grad_steps=None if schedule is None else schedule.grad_steps(draws.selected),
-                               on_step=self._with_progress(None if schedule is None
-                                                           else schedule.on_step(key, cond)),
-                               forward_context=self.precision, split=self.split,
-                               per_sample_grad=schedule is not None and schedule.per_sample_grad)
-            trajectories.append(traj)
+                rollout_together([loop for loop, _ in loops.values()], self.velocity_fn, many)
+        trajectories, rewards = [], []
+        for mb, batch in enumerate(batches):
+            loop, ids = loops.pop(mb) if together else self._rollout_loop(inputs, share, mb, batch, schedule)
+            if not together:
+                with timer.phase("rollout"):
+                    while not loop.done:
+                        loop.step(self.velocity_fn)
+            trajectories.append(loop.trajectory())
             if plan.async_scoring:
-                rewards.append(self._submit(traj.final_latents, prompt_ids))
+                rewards.append(self._submit(trajectories[-1].final_latents, ids))
                 continue
             with timer.phase("reward"):
-                local = self._score(traj.final_latents, prompt_ids)
+                local = self._score(trajectories[-1].final_latents, ids)
             if schedule is not None:
-                schedule.on_rewards(key, local)
+                schedule.on_rewards((share.prompt_slot, mb), local)
             rewards.append(local)
         if plan.async_scoring:
             return ScoringGroup(share=share, trajectories=trajectories, scores=rewards)
         return self._gathered(share, trajectories, rewards, timer)
+
+    def _rollout_loop(self, inputs: StepInputs, share: PromptShare, mb: int, ids: list[int],
+                      schedule) -> tuple[RolloutLoop, torch.Tensor]:
+        """(the denoising loop of micro-batch ``mb`` of generations ``ids``, its prompt ids), its inputs drawn."""
+        plan, device = self.plan, self.ctx.device
+        slots = [share.prompt_slot] * len(ids)
+        draws = draw_rollout_inputs(base_seed=plan.seed, step=inputs.step, prompt_slots=slots, generation_ids=ids,
+                                    latent_shape=plan.latent_shape, num_steps=plan.num_steps,
+                                    selection=plan.selection, same_latent=plan.same_latent, device=device)
+        cond = inputs.conditioning.select(slots).to(device)
+        prompt_ids = inputs.prompt_ids[torch.tensor(slots, dtype=torch.long)]
+        loop = RolloutLoop(draws.init_latents, plan.sigmas, cond, sde=plan.sde, selected=draws.selected,
+                           sde_steps=draws.sde_steps, noise_seeds=draws.noise_seeds, prompt_ids=prompt_ids,
+                           generation_ids=torch.tensor(ids, dtype=torch.long),
+                           grad_steps=None if schedule is None else schedule.grad_steps(draws.selected),
+                           on_step=self._with_progress(None if schedule is None
+                                                       else schedule.on_step((share.prompt_slot, mb), cond)),
+                           forward_context=self.precision, split=self.split,
+                           per_sample_grad=schedule is not None and schedule.per_sample_grad)
+        return loop, prompt_ids
 
     def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
         """(B,) checked rewards of a micro-batch, scored once per sample: under CP the whole latents on CP rank 0,

@@ -110,11 +110,12 @@ class _PhaseTimers:
                 stack.close()
 
 
-def schedule_config(grad_sync: GradSync, phase: PhaseFn, phases: dict[str, str],
+def schedule_config(grad_sync: Optional[GradSync], phase: PhaseFn, phases: dict[str, str],
                     dtype: torch.dtype = torch.float32) -> ScheduleConfig:
     """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` as timers."""
     return ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, deallocate_pipeline_outputs=False,
-                          no_sync_func=grad_sync.backward_mode, grad_sync_func=None,
+                          no_sync_func=grad_sync.backward_mode if grad_sync is not None else None,
+                          grad_sync_func=None,
                           finalize_model_grads_func=None, grad_scale_func=None,
                           timers=_PhaseTimers(phase, phases), barrier_with_L1_time=False)
 
@@ -184,10 +185,10 @@ P2P_TIMERS = ("forward-recv", "backward-recv", "forward-send", "backward-send", 
 waits for the other stages)."""
 
 
-def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequence, grad_sync: GradSync, *,
-                      phase: PhaseFn, phases: dict[str, str], forward_only: bool = False,
+def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequence, grad_sync: Optional[GradSync],
+                      *, phase: PhaseFn, phases: dict[str, str], forward_only: bool = False,
                       dtype: torch.dtype = torch.float32, pipeline: Optional[torch.nn.Module] = None,
-                      ) -> Optional[list]:
+                      ctx=None) -> Optional[list]:
     """Run ``micro_batches`` (any objects ``forward_step_func`` draws from its iterator) through megatron's
     ``get_forward_backward_func()``; returns the scheduler's per-micro-batch ``reduced`` (the last stage's).
 
@@ -195,23 +196,27 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     ``pipeline`` (this rank's policy stage, ``parallel.pp`` > 1) the call is megatron's 1F1B schedule over the
     pipeline group: every stage calls it with the same micro-batches, ``forward_step_func`` returns the boundary
     tensor on a stage other than the last, the boundaries and their gradients travel in ``dtype``, and the
-    transfers are timed as the ``bubble`` phase."""
+    transfers are timed as the ``bubble`` phase. A ``forward_only`` call may go without ``grad_sync`` (then ``ctx``
+    is the parallel context): nothing is backpropagated, so nothing is synchronised."""
     if not micro_batches:
         return []
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    ctx = grad_sync.ctx
+    if grad_sync is None and not forward_only:
+        raise ValueError("a scheduler call with backwards needs the gradient sync")
+    ctx = grad_sync.ctx if grad_sync is not None else ctx
     pp = int(ctx.layout.pp) if pipeline is not None else 1
     if pp > 1:
         phases = {**phases, **{name: "bubble" for name in P2P_TIMERS}}
     config = schedule_config(grad_sync, phase, phases, dtype)
+    sync = grad_sync.backward_mode() if grad_sync is not None else contextlib.nullcontext()
     forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
     stage = _Stage(config, pipeline)
     extra = {}
     if pp > 1:
         extra["p2p_communicator"] = P2PCommunicator(pp_group=ctx.pp_group, config=config)
-    with cpu_bridge(), grad_sync.backward_mode():
+    with cpu_bridge(), sync:
         return forward_backward(forward_step_func=forward_step_func, data_iterator=iter(micro_batches),
                                 model=stage, num_microbatches=len(micro_batches), seq_length=0,
                                 micro_batch_size=1, forward_only=forward_only,

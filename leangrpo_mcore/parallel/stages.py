@@ -54,6 +54,7 @@ class StageLink:
         if ctx.pp_group is None:
             raise ValueError("a stage link needs a pipeline-parallel group (parallel.pp > 1)")
         self.rank, self.size, self.group = ctx.pp_rank, int(ctx.layout.pp), ctx.pp_group
+        self.ctx = ctx
         self.dtype = dtype
         """dtype of the boundary tensors (the policy's compute dtype)."""
         self.last_rank = dist.get_global_rank(self.group, self.size - 1)
@@ -196,6 +197,28 @@ class StagedVelocity:
             self.link.broadcast_velocity(velocity, latents)
             return velocity
         return self.link.handed(out, latents)
+
+    def velocities(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]) -> list[torch.Tensor]:
+        """The no-grad velocities of several forwards (one per rollout micro-batch), pipelined: megatron's
+        forward-only schedule over the stages, so that stage s computes micro-batch i while stage s+1 computes
+        micro-batch i−1; then the last stage broadcasts every velocity. Equal to calling this function once per
+        request, bit for bit."""
+        if len(requests) == 1:
+            return [self(*requests[0])]
+        from leangrpo_mcore.parallel.pipeline import run_micro_batches
+
+        def forward_step(data_iterator, model):
+            latents, sigma, conditioning = next(data_iterator)
+            if not self.link.last:
+                return self.boundary(latents, sigma, conditioning), None
+            return self(latents, sigma, conditioning), None  # no loss: the scheduler keeps the velocity
+
+        with self.scheduled():
+            out = run_micro_batches(forward_step, requests, None, phase=self.link.phase, phases={},
+                                    forward_only=True, dtype=self.link.dtype, pipeline=self.policy,
+                                    ctx=self.link.ctx)
+        return [self.link.broadcast_velocity(out[i] if self.link.last else None, latents)
+                for i, (latents, _, _) in enumerate(requests)]
 
     def reference(self) -> contextlib.AbstractContextManager:
         """The inner function's reference context (adapters disabled on every stage)."""

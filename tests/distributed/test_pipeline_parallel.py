@@ -2,7 +2,8 @@
 equals the same step at world size 1, and a checkpoint written at pp=2 continues at pp=1.
 
 - pp=2 on 2 ranks (one sample's two stages): FLUX full fine-tune, and Wan with LoRA, a KL term, CFG and
-  global-std advantages; Native's recompute runs as megatron's 1F1B schedule over the stages. Each stage's gradients are exactly its parameters' gradients of the world-size-1 step
+  global-std advantages; Native's no-grad rollout flows through the stages as megatron's forward-only schedule and
+  its recompute as megatron's 1F1B schedule. Each stage's gradients are exactly its parameters' gradients of the world-size-1 step
   (the tests allow 1e-5 relative), the stages partition the trainable parameters, and both stages hold the
   rollout of the single-process run bit for bit, with its rewards, loss and global gradient norm.
 - pp=2 x dp_shard=2 on 4 ranks: the same FLUX step with FSDP2 inside each stage (1e-5 relative: the
@@ -46,8 +47,13 @@ def _run_all(rank: int, world_size: int, cases: dict) -> dict:
     real, sizes = mcore_pp.get_forward_backward_func, {}
 
     def spied(pp_size=None, vp_size=None):
-        sizes.setdefault(current, []).append(pp_size)
-        return real(pp_size=pp_size, vp_size=vp_size)
+        inner = real(pp_size=pp_size, vp_size=vp_size)
+
+        def counted(**call):
+            sizes.setdefault(current, []).append((pp_size, call["num_microbatches"], call["forward_only"]))
+            return inner(**call)
+
+        return counted
 
     mcore_pp.get_forward_backward_func = spied
     out = {}
@@ -84,8 +90,15 @@ def two_stages():
 
 def test_pp2_equals_world_size_1(two_stages):
     ranks, reference = two_stages
-    for rank in ranks:  # Native's recompute is megatron's 1F1B over the two stages, one call per group
-        assert rank["pp_sizes"]["flux_native"] == [2, 2] and rank["pp_sizes"]["wan_native"] == [2, 2]
+    for rank in ranks:
+        for family in ("flux", "wan"):
+            calls = rank["pp_sizes"][f"{family}_native"]
+            # Native's no-grad rollout: per group, each of the T = 4 steps one forward-only pipelined call over
+            # the group's 4 micro-batches; its recompute: one 1F1B call per group over 4 samples x 3 steps
+            assert [c for c in calls if c[2]] == [(2, 4, True)] * 8, (family, calls)
+            assert [c for c in calls if not c[2]] == [(2, 12, False)] * 2, (family, calls)
+            # Retain and Reweight roll out with gradients: lock-step, megatron's PP=1 scheduler on each stage
+            assert {c[0] for c in rank["pp_sizes"][f"{family}_retain"]} == {1}
     for name, ref in reference.items():
         first, last = ranks[0][name], ranks[1][name]
         assert first.names and last.names and not set(first.names) & set(last.names), name
