@@ -66,6 +66,11 @@ class StageLink:
         self.waited = 0.0
         """Seconds spent in :data:`BUBBLE` so far (a forward's timer subtracts what it waited inside)."""
 
+    def track(self, name: str) -> ContextManager:
+        """The step's phase ``name``; a :data:`BUBBLE` one also counts into :attr:`waited` (the phase hook of
+        megatron's schedules run inside a forward)."""
+        return self._waiting() if name == BUBBLE else self.phase(name)
+
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
         start = time.perf_counter()
@@ -214,7 +219,7 @@ class StagedVelocity:
             return self(latents, sigma, conditioning), None  # no loss: the scheduler keeps the velocity
 
         with self.scheduled():
-            out = run_micro_batches(forward_step, requests, None, phase=self.link.phase, phases={},
+            out = run_micro_batches(forward_step, requests, None, phase=self.link.track, phases={},
                                     forward_only=True, dtype=self.link.dtype, pipeline=self.policy,
                                     ctx=self.link.ctx)
         return [self.link.broadcast_velocity(out[i] if self.link.last else None, latents)
