@@ -96,3 +96,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
         raise RuntimeError(f"distributed test failed on ranks {sorted(errors)}:\n{report}")
     return [outputs[r] for r in range(world_size)]
+
+
+def torchrun_train(root, *args: str, nproc: int = 2, timeout: float = 300.0) -> None:
+    """``leangrpo_mcore.train`` under torchrun on ``nproc`` local gloo ranks with ``args``; fails with its stderr."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "leangrpo_mcore.train", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-3000:]

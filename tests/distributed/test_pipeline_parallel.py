@@ -13,10 +13,7 @@ equals the same step at world size 1, and a checkpoint written at pp=2 continues
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +21,7 @@ import pytest
 import torch
 
 from tests.ckpt_helpers import model_tensors
-from tests.distributed.launcher import free_port, run_ranks
+from tests.distributed.launcher import run_ranks, torchrun_train
 from tests.unit.test_schedules_parity import Case, rel_l2, run_case
 
 pytestmark = pytest.mark.distributed
@@ -136,12 +133,7 @@ def test_pp2_with_fsdp_inside_each_stage(four_ranks):
 
 
 def _torchrun(run: Path, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "leangrpo_mcore.train",
-           "--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_train(ROOT, "--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides)
 
 
 def _flat(tensors: dict) -> torch.Tensor:

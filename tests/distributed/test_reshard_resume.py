@@ -9,10 +9,7 @@ the two CP ranks, each holding half of every sample's tokens). The reward is smo
 by fp32 rounding, which a JPEG size can turn into different advantages.
 """
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ import torch
 
 from leangrpo_mcore.cli.train import main as train_main
 from tests.ckpt_helpers import model_tensors
-from tests.distributed.launcher import free_port
+from tests.distributed.launcher import torchrun_train
 
 pytestmark = pytest.mark.distributed
 
@@ -31,12 +28,7 @@ COMMON = ("reward.name=tests.unit.test_precision:contrast", "checkpoint.save_eve
 
 
 def _torchrun(run: Path, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "leangrpo_mcore.train",
-           "--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun_train(ROOT, "--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides)
 
 
 def _flat(tensors: dict) -> torch.Tensor:
