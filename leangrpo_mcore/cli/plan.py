@@ -1,4 +1,4 @@
-"""`leangrpo-plan`: plan the schedule, TP/CP/FSDP/HSDP degrees and prompt-group placement for a cluster.
+"""`leangrpo-plan`: plan the schedule, PP/TP/CP/FSDP/HSDP degrees and prompt-group placement for a cluster.
 
     leangrpo-plan --model flux-dev --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80 --resolution 720 --json
     leangrpo-plan --config yaml_configs/flux_dev/dancegrpo.yaml grpo.group_size=16 --gpus-per-node 8 --gpu-mem-gb 48
@@ -23,14 +23,14 @@ from leangrpo_mcore.parallel.layout import DEFAULT_TEXT_TOKENS, Plan, describe_l
 
 # Flags that a YAML config sets itself: with --config they come from it (use dotted overrides instead).
 WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_size", "prompts_per_step",
-                  "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp")
+                  "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp", "pp")
 DEFAULT_CFG_SCALE = {"flux": 1.0, "wan": 5.0}  # FLUX.1-dev is guidance-distilled; Wan samples with CFG 5
 MAX_TABLE_RANKS = 64
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``leangrpo-plan`` (experiment and hardware flags)."""
-    p = argparse.ArgumentParser(prog="leangrpo-plan", description="Plan the schedule, TP/CP/FSDP/HSDP degrees and "
+    p = argparse.ArgumentParser(prog="leangrpo-plan", description="Plan the schedule, PP/TP/CP/FSDP/HSDP degrees and "
                                 "prompt-group placement of a run; exit 1 when nothing fits, 2 on bad input.")
     p.add_argument("--model", help=f"{', '.join(BUILTIN_PRESETS)}, a diffusers transformer config.json / directory, "
                                    "a leangrpo checkpoint, or a YAML experiment config")
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, help="context-parallel degree: each sample's tokens split over N GPUs of a node "
                                          "(must divide the GPUs per node and the attention heads; default: the "
                                          "planner tries every degree)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel degree: the blocks split over N stages, pp outermost "
+                                         "(stages of whole nodes or of a divisor of a node; default: the planner "
+                                         "tries every degree)")
     p.add_argument("--text-tokens", type=int, help=f"text-encoder tokens per prompt (default {DEFAULT_TEXT_TOKENS}; "
                                                    "a YAML config's hashed text embedder: 16)")
     hardware = (("--intra-node-gbps", 150.0, "collective bandwidth per GPU in a node, GB/s"),
@@ -118,7 +121,7 @@ def _config_workload(args: argparse.Namespace, path: str) -> tuple[Workload, dic
     from leangrpo_mcore.config import load_config
 
     config = load_config(path, args.overrides)
-    fixed = {"tp": config.parallel.tp, "cp": config.parallel.cp}
+    fixed = {"tp": config.parallel.tp, "cp": config.parallel.cp, "pp": config.parallel.pp}
     for key in ("dp_shard", "dp_replicate"):
         if getattr(config.parallel, key) != "auto":
             fixed[key] = int(getattr(config.parallel, key))
@@ -165,7 +168,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if path is None and args.overrides:
         raise UserError(f"override {args.overrides[0]!r} needs --config")
     work, fixed = _config_workload(args, path) if path else (workload_from_args(args, hw.world_size),
-                                                             {"cp": args.cp})
+                                                             {"cp": args.cp, "pp": args.pp})
     return plan(work, hw, **fixed)
 
 
@@ -179,22 +182,24 @@ def render(result: Plan, top: int = 0) -> str:
              ""]
     head = f"schedule: {result.schedule}" if result.ok else "schedule: none (nothing fits)"
     lines += [head] + textwrap.wrap(result.reason, 110, initial_indent="  ", subsequent_indent="  ") + [""]
-    lines.append(f"{'schedule':9}{'tp':>3}{'cp':>3}{'shard':>6}{'repl':>5}{'Q':>4}{'P':>4}{'ckpt':>5}{'peak GiB':>10}"
-                 f"{'fits':>6}{'step s':>9}  {'rollout':>8}{'recomp':>8}{'backward':>9}{'comm':>8}{'other':>7}")
+    lines.append(f"{'schedule':9}{'pp':>3}{'tp':>3}{'cp':>3}{'shard':>6}{'repl':>5}{'Q':>4}{'P':>4}{'ckpt':>5}"
+                 f"{'peak GiB':>10}{'fits':>6}{'step s':>9}  {'rollout':>8}{'recomp':>8}{'backward':>9}{'comm':>8}"
+                 f"{'bubble':>7}{'other':>7}")
     shown = result.candidates[:top] if top > 0 else result.candidates
     for c in shown:
-        degrees = f"{c.schedule:9}{c.layout.tp:>3}{c.layout.cp:>3}{c.layout.dp_shard:>6}{c.layout.dp_replicate:>5}"
+        degrees = (f"{c.schedule:9}{c.layout.pp:>3}{c.layout.tp:>3}{c.layout.cp:>3}{c.layout.dp_shard:>6}"
+                   f"{c.layout.dp_replicate:>5}")
         if not c.feasible:
             lines.append(f"{degrees}  -- {c.note}")
             continue
         t = c.time
-        comm = t["fsdp_all_gather"] + t["tp_all_reduce"] + t["cp_all_to_all"] + t["grad_sync"]
+        comm = t["fsdp_all_gather"] + t["tp_all_reduce"] + t["cp_all_to_all"] + t["grad_sync"] + t["p2p"]
         other = t["grad_buffers"] + t["optimizer"] + t["reward"] + t["reference_forward"]
         lines.append(f"{degrees}"
                      f"{c.shape.generations_per_rank:>4}{c.shape.worker_groups:>4}"
                      f"{'on' if c.activation_checkpointing else 'off':>5}{c.peak_mem_bytes / GiB:>10.1f}"
                      f"{'yes' if c.fits else 'no':>6}{c.step_time_s:>9.1f}  {t['rollout']:>8.1f}{t['recompute']:>8.1f}"
-                     f"{t['backward']:>9.1f}{comm:>8.1f}{other:>7.1f}")
+                     f"{t['backward']:>9.1f}{comm:>8.1f}{t['pipeline_bubble']:>7.1f}{other:>7.1f}")
     if len(shown) < len(result.candidates):
         lines.append(f"... {len(result.candidates) - len(shown)} more (--top 0 shows all)")
     if result.placement is not None:
@@ -202,10 +207,10 @@ def render(result: Plan, top: int = 0) -> str:
         lines += ["", f"placement ({describe_layout(result.chosen, w)}; TP groups in a node: "
                       f"{'yes' if pl.tp_groups_intra_node else 'no'}; reward all-gather in a node: "
                       f"{'yes' if pl.group_gather_intra_node else 'no, spans %d nodes' % pl.group_gather_nodes})",
-                  f"{'rank':>5}{'node':>5}{'local':>6}{'tp':>4}{'cp':>4}{'dp':>4}{'shard':>6}{'repl':>5}{'group':>6}  "
-                  f"generations / prompt slots"]
+                  f"{'rank':>5}{'node':>5}{'local':>6}{'pp':>4}{'tp':>4}{'cp':>4}{'dp':>4}{'shard':>6}{'repl':>5}"
+                  f"{'group':>6}  generations / prompt slots"]
         for r in pl.ranks[:MAX_TABLE_RANKS]:
-            lines.append(f"{r.rank:>5}{r.node:>5}{r.local_rank:>6}{r.tp_rank:>4}{r.cp_rank:>4}{r.dp_rank:>4}"
+            lines.append(f"{r.rank:>5}{r.node:>5}{r.local_rank:>6}{r.pp_rank:>4}{r.tp_rank:>4}{r.cp_rank:>4}{r.dp_rank:>4}"
                          f"{r.dp_shard:>6}{r.dp_replicate:>5}{r.worker_group:>6}  "
                          f"{list(r.generations)} / {list(r.prompt_slots)}")
         if len(pl.ranks) > MAX_TABLE_RANKS:
@@ -216,15 +221,15 @@ def render(result: Plan, top: int = 0) -> str:
 def render_simulations(result: Plan, sims: dict[int, dict]) -> str:
     """The simulated peaks against the predicted ones, one line per simulated candidate."""
     lines = ["", "", "simulated (one rank's real step under fake tensors; reserved memory added as predicted):",
-             f"{'schedule':9}{'tp':>3}{'cp':>3}{'shard':>6}{'repl':>5}{'ckpt':>5}{'predicted GiB':>15}"
+             f"{'schedule':9}{'pp':>3}{'tp':>3}{'cp':>3}{'shard':>6}{'repl':>5}{'ckpt':>5}{'predicted GiB':>15}"
              f"{'simulated GiB':>15}"
              f"{'ratio':>7}{'sim s':>7}  biggest simulated terms"]
     for index, sim in sims.items():
         c = result.candidates[index]
         terms = sorted(sim["simulated_breakdown"].items(), key=lambda kv: -kv[1])[:3]
         shown = ", ".join(f"{k} {v / GiB:.1f}" for k, v in terms if v)
-        lines.append(f"{c.schedule:9}{c.layout.tp:>3}{c.layout.cp:>3}{c.layout.dp_shard:>6}{c.layout.dp_replicate:>5}"
-                     f"{'on' if c.activation_checkpointing else 'off':>5}{c.peak_mem_bytes / GiB:>15.1f}"
+        lines.append(f"{c.schedule:9}{c.layout.pp:>3}{c.layout.tp:>3}{c.layout.cp:>3}{c.layout.dp_shard:>6}"
+                     f"{c.layout.dp_replicate:>5}{'on' if c.activation_checkpointing else 'off':>5}{c.peak_mem_bytes / GiB:>15.1f}"
                      f"{sim['simulated_peak_bytes'] / GiB:>15.1f}{sim['simulated_over_predicted']:>7.2f}"
                      f"{sim['simulated_seconds']:>7.0f}  {shown}")
     return "\n".join(lines)

@@ -82,9 +82,6 @@ def resolve_plan(config: Config, world_size: int, logger: logging.Logger) -> Con
     if config.parallel.cp > 1:
         raise UserError("schedule.name=auto with parallel.cp > 1 is not supported yet: plan the layout with "
                         "leangrpo-plan (it models context parallelism) and name its schedule")
-    if config.parallel.pp > 1:
-        raise UserError("schedule.name=auto with parallel.pp > 1 is not supported yet: the planner does not model "
-                        "pipeline stages; name the schedule (schedule.name=native, retain or reweight)")
     from leangrpo_mcore.parallel.layout import plan_for_config
 
     memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None

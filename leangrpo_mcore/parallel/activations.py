@@ -56,16 +56,19 @@ def activation_features(arch: ArchSpec, tokens: dict[str, int], checkpointing: b
     feats["root.D"] = d
     feats["root.T.hd"] = tokens[rope_stream] * hd
     feats["root.in"] = tokens["image"] * _input_width(arch) + tokens["text"] * _text_width(arch)
+    # A later pipeline stage keeps the root terms too (its received boundary and rotary tables stand in for the
+    # embedders' outputs): an upper bound by the embedders' few per-token vectors.
     return feats
 
 
 def _input_width(arch: ArchSpec) -> int:
-    return next(lin.in_features for lin in arch.root if lin.name in ("x_embedder", "patch_embedding"))
+    """Width of the raw latent input (0 on a pipeline stage without the embedders: it saves no raw input)."""
+    return next((lin.in_features for lin in arch.root if lin.name in ("x_embedder", "patch_embedding")), 0)
 
 
 def _text_width(arch: ArchSpec) -> int:
     names = ("context_embedder", "condition_embedder.text_embedder.linear_1")
-    return next(lin.in_features for lin in arch.root if lin.name in names)
+    return next((lin.in_features for lin in arch.root if lin.name in names), 0)
 
 
 def fit_key(family: str, dtype_bytes: int, checkpointing: bool, lora: bool = False) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from leangrpo_mcore.errors import UserError
@@ -247,6 +247,48 @@ def self_attention_exchange_elements(arch: ArchSpec, tokens: dict[str, int]) -> 
     Cross-attention to the text needs no exchange (local queries against the full text).
     """
     return sum(b.count * 4 * tokens[q] * arch.hidden_size for b in arch.blocks for q, kv in b.attention if q == kv)
+
+
+def stage_block_counts(total: int, pp: int) -> list[int]:
+    """Blocks of each of ``pp`` pipeline stages in the even split of ``total`` blocks: the remainder goes to the
+    first stages (``models.common.pipeline.split_blocks``). ValueError when a stage would get no block."""
+    if pp < 1:
+        raise ValueError(f"pipeline-parallel size must be at least 1, got {pp}")
+    if pp > total:
+        raise ValueError(f"cannot split {total} blocks over {pp} pipeline stages: every stage needs a block")
+    return [total // pp + (1 if rank < total % pp else 0) for rank in range(pp)]
+
+
+# Root layers the last pipeline stage owns (the output norm / modulation and projection); the first owns the rest.
+_OUTPUT_LAYERS = ("norm_out", "proj_out")
+
+
+def stage_spec(arch: ArchSpec, pp: int, rank: int) -> ArchSpec:
+    """Pipeline stage ``rank`` of ``pp`` as an :class:`ArchSpec`: its run of blocks (FLUX counts the double-stream
+    blocks, then the single-stream ones), the embedders on the first stage, the output layers (and Wan's output
+    scale-shift table) on the last, as the policies build their stages."""
+    counts = stage_block_counts(arch.num_layers, pp)
+    start = sum(counts[:rank])
+    stop = start + counts[rank]
+    blocks, offset = [], 0
+    for block in arch.blocks:
+        owned = max(min(stop, offset + block.count) - max(start, offset), 0)
+        if owned:
+            blocks.append(replace(block, count=owned))
+        offset += block.count
+    output = [lin.name.split(".")[0] in _OUTPUT_LAYERS for lin in arch.root]
+    root = tuple(lin for lin, out in zip(arch.root, output)
+                 if (out and rank == pp - 1) or (not out and rank == 0))
+    return replace(arch, name=f"{arch.name} stage {rank}/{pp}" if pp > 1 else arch.name, root=root,
+                   root_norm_params=arch.root_norm_params if rank == pp - 1 else 0, blocks=tuple(blocks))
+
+
+def boundary_elements(arch: ArchSpec, tokens: dict[str, int]) -> int:
+    """Elements of the one tensor a pipeline stage sends the next per sample and forward (``docs/models.md``):
+    FLUX ``[temb, text, image]`` rows, Wan ``[hidden states, temb, 6 modulation rows, text]`` (per-sample
+    timesteps), each ``hidden_size`` wide."""
+    rows = 1 + tokens["joint"] if arch.family == "flux" else tokens["image"] + 7 + tokens["text"]
+    return rows * arch.hidden_size
 
 
 def _lin(name: str, fan_in: int, fan_out: int, stream: str, tp: str = "replicated") -> LinearSpec:

@@ -24,13 +24,17 @@ from typing import Optional
 
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel import activations as act
+from leangrpo_mcore.parallel import pipeline_time as pt
 from leangrpo_mcore.parallel.arch_specs import (
     DEFAULT_LORA_TARGETS,
+    ArchSpec,
+    boundary_elements,
     forward_flops,
     largest_block_params,
     lora_params_per_rank,
     params_per_rank,
     self_attention_exchange_elements,
+    stage_spec,
     tp_allreduce_elements,
 )
 from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
@@ -72,9 +76,12 @@ def _for_schedule(work: Workload, layout: Layout, schedule: str) -> Workload:
     return replace(work, reshard_after_forward=not gathered)
 
 
-def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dict[str, int]:
-    """Every memory term (bytes per GPU) the phases combine, and the counts that scale them."""
-    arch, prec, s, shape = work.arch, work.precision, layout.shard_ranks, sample_shape(work, layout)
+def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage: int = 0) -> dict[str, int]:
+    """Every memory term (bytes per GPU of pipeline stage ``stage``) the phases combine, and the counts that
+    scale them. A stage holds its own layers' parameters, gradients, optimizer state and activations, and the
+    whole trajectory (every stage takes the same SDE steps)."""
+    prec, s, shape = work.precision, layout.shard_ranks, sample_shape(work, layout)
+    arch = stage_spec(work.arch, layout.pp, stage)
     cp = layout.cp
     params = params_per_rank(arch, layout.tp)
     trainable = params if work.full_finetune else lora_params_per_rank(
@@ -97,10 +104,10 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dic
                                          **fit) // cp)
     working = -(-act.working_bytes(arch, work.tokens, batch=batch, dtype_bytes=prec.compute_bytes) // cp)
     recompute = -(-act.block_saved_bytes(arch, work.tokens, batch=batch, dtype_bytes=dtype, **fit) // cp) if ac else 0
-    text_width = next(lin.in_features for lin in arch.root if lin.stream == "text")
+    text_width = next(lin.in_features for lin in work.arch.root if lin.stream == "text")
     # A trajectory keeps fp32 latents for every step (docs/algorithms.md §7), each CP rank its piece
     # (parallel/sequence.py), and the prompt's text embeddings.
-    trajectory = -(-4 * (work.num_steps + 1) * arch.latent_elements(work.tokens) * cfg // cp)
+    trajectory = -(-4 * (work.num_steps + 1) * work.arch.latent_elements(work.tokens) * cfg // cp)
     trajectory += work.tokens["text"] * text_width * prec.compute_bytes
     return {
         "weights": math.ceil((trainable * prec.storage_bytes + frozen * prec.compute_bytes) / s),
@@ -122,6 +129,8 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> dic
         "samples": shape.samples,
         "generations_per_rank": shape.generations_per_rank,
         "groups_per_rank": shape.groups_per_rank,
+        # Native's 1F1B recompute at pp > 1: stage k holds the graphs of up to pp - k units (micro-batch, step)
+        "in_flight": min(layout.pp - stage, shape.micro_batches // shape.groups_per_rank * work.selected_steps),
     }
 
 
@@ -144,8 +153,9 @@ def _coalesced(work: Workload, schedule: str) -> bool:
     return schedule != "native" or work.coalesce_sync
 
 
-def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> dict[str, dict]:
-    """Bytes per GPU of each term alive in each phase of a step under ``schedule``.
+def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool,
+                  stage: int = 0) -> dict[str, dict]:
+    """Bytes per GPU (of pipeline stage ``stage``) of each term alive in each phase of a step under ``schedule``.
 
     Follows the project's schedules: Native syncs per backward (sharded gradients only) unless coalesced;
     Retain and coalesced Native accumulate one unsharded gradient with FSDP2 sync off and reduce it once per
@@ -155,7 +165,7 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
     work = _for_schedule(work, layout, schedule)
-    m = _memory_terms(work, hw, layout, ac)
+    m = _memory_terms(work, hw, layout, ac, stage)
     base = {k: m[k] for k in ("weights", "optimizer", "gathered_params", "reference", "reserved")}
     unsharded = m["gradient_buffer"] if _coalesced(work, schedule) else 0
     sharded = 0 if _coalesced(work, schedule) else m["grads"]
@@ -172,7 +182,7 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
     if schedule == "native" or work.updates_per_rollout > 1:
         phases["native_update"] = {
             **base, "grads": sharded, "unsharded_grads": unsharded, "trajectories": m["trajectory"] * m["samples"],
-            "activations": m["activations_step"], "backward_transient": m["backward_transient"]}
+            "activations": m["activations_step"] * m["in_flight"], "backward_transient": m["backward_transient"]}
     # Retain's graphs: |S| per generation of a group; with the global std the advantages wait for the step's
     # last reward, so every group's graphs are kept.
     graphs = work.selected_steps * m["generations_per_rank"] * (m["groups_per_rank"] if work.global_std else 1)
@@ -203,9 +213,20 @@ def _reward_phase(m: dict, base: dict, schedule: str, graphs: int, trajectories:
     return {**base, **held, "trajectories": trajectories, "decode": m["decode"]}
 
 
+def heaviest_stage(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> tuple[int, dict]:
+    """(the pipeline stage with the highest peak, its phases); stage 0 and the whole model at pp = 1."""
+    best, best_phases, best_peak = 0, {}, -1
+    for stage in range(layout.pp):
+        phases = memory_phases(work, hw, layout, schedule, ac, stage)
+        peak = max(sum(terms.values()) for terms in phases.values())
+        if peak > best_peak:
+            best, best_phases, best_peak = stage, phases, peak
+    return best, best_phases
+
+
 def peak_memory(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> tuple[int, str, dict]:
-    """(peak bytes per GPU, the phase where it occurs, that phase's terms)."""
-    phases = memory_phases(work, hw, layout, schedule, ac)
+    """(peak bytes per GPU, the phase where it occurs, that phase's terms), on the heaviest pipeline stage."""
+    _, phases = heaviest_stage(work, hw, layout, schedule, ac)
     name = max(phases, key=lambda p: sum(phases[p].values()))
     return sum(phases[name].values()), name, phases[name]
 
@@ -219,21 +240,23 @@ class _Rates:
     cp_backward: float
 
 
-def _rates(work: Workload, hw: Hardware, layout: Layout, ac: bool) -> _Rates:
-    """Seconds of one forward and one backward of one sample (CFG included) on one rank, and of its TP
-    all-reduces and CP all-to-alls (a rank holds 1/cp of the sample's tokens)."""
-    flops = forward_flops(work.arch, work.tokens, layout.tp)
+def _rates(work: Workload, hw: Hardware, layout: Layout, ac: bool, arch: Optional[ArchSpec] = None) -> _Rates:
+    """Seconds of one forward and one backward of one sample (CFG included) on one rank of ``arch`` (a pipeline
+    stage; default the whole model), and of its TP all-reduces and CP all-to-alls (a rank holds 1/cp of the
+    sample's tokens)."""
+    arch = work.arch if arch is None else arch
+    flops = forward_flops(arch, work.tokens, layout.tp)
     cfg, cp, tp = (2 if work.cfg else 1), layout.cp, layout.tp
     rate = hw.gpu_tflops * 1e12 * hw.efficiency
     linear = cfg * flops["linear"] / (rate * work.precision.matmul_speedup) / cp
     attention = cfg * flops["attention"] / rate / cp
     # Backward: input gradients (1x) + weight gradients (1x, frozen LoRA bases skip theirs); attention 2x.
     backward = (2.0 if work.full_finetune else 1.0) * linear + 2.0 * attention + (linear + attention if ac else 0.0)
-    elems = tp_allreduce_elements(work.arch, work.tokens) * cfg / cp
+    elems = tp_allreduce_elements(arch, work.tokens) * cfg / cp
     tp_bytes = 2.0 * (tp - 1) / tp * elems * work.precision.compute_bytes
     # Ulysses: q, k, v out and the output back, (cp - 1)/cp of the rank's S/cp x H/tp x D each, per
     # self-attention layer; backward the same (+ the recomputed forward's under checkpointing).
-    exchanged = self_attention_exchange_elements(work.arch, work.tokens) * cfg / (cp * tp)
+    exchanged = self_attention_exchange_elements(arch, work.tokens) * cfg / (cp * tp)
     cp_forward = (cp - 1) / cp * exchanged * work.precision.compute_bytes / (hw.intra_node_gbps * 1e9)
     return _Rates(linear + attention, backward, tp_bytes / (hw.intra_node_gbps * 1e9), cp_forward,
                   cp_forward * (2.0 if ac else 1.0))
@@ -244,7 +267,7 @@ def _sync_seconds(work: Workload, hw: Hardware, layout: Layout, trainable: int) 
     payload = trainable * work.precision.buffer_bytes
     s, r = layout.shard_ranks, layout.dp_replicate
     seconds = (s - 1) / s * payload / (hw.intra_node_gbps * 1e9)
-    replica_bw = hw.inter_node_gbps if hw.nodes > 1 else hw.intra_node_gbps
+    replica_bw = hw.inter_node_gbps if layout.stage_ranks > hw.gpus_per_node else hw.intra_node_gbps
     return seconds + 2.0 * (r - 1) / r * payload / s / (replica_bw * 1e9)
 
 
@@ -259,20 +282,82 @@ def _sync_count(work: Workload, shape: Shape, schedule: str) -> float:
     return shape.micro_batches * work.selected_steps + later  # Native: every backward, like the baselines
 
 
-def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> dict[str, float]:
-    """Seconds per optimizer step by component (the sum is the step time)."""
-    work = _for_schedule(work, layout, schedule)
-    shape = sample_shape(work, layout)
-    rates, n, mb = _rates(work, hw, layout, ac), shape.samples, shape.micro_batches
-    steps, extra = work.selected_steps, work.updates_per_rollout - 1
-    kl = work.kl_beta > 0
-    trainable = params_per_rank(work.arch, layout.tp) if work.full_finetune else lora_params_per_rank(
-        work.arch, work.lora_rank, work.lora_targets, layout.tp)
+# The terms of a step that are the policy's own forwards and backwards (what pipeline stages wait on each other for).
+COMPUTE_TERMS = ("rollout", "recompute", "reference_forward", "backward", "tp_all_reduce", "cp_all_to_all")
+
+
+def _passes(work: Workload, schedule: str) -> tuple[int, int]:
+    """(forwards, backwards) of one sample per step under ``schedule``."""
+    steps, extra, kl = work.selected_steps, work.updates_per_rollout - 1, work.kl_beta > 0
     forwards = work.num_steps + steps * ((1 if schedule == "native" else 0) + extra + (1 if kl else 0))
     backwards = steps * (1 + extra + (1 if kl and schedule == "reweight" else 0))  # Reweight: 2nd KL backward
+    return forwards, backwards
+
+
+def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> dict[str, float]:
+    """Seconds per optimizer step by component (the sum is the step time).
+
+    At ``pp`` > 1 the terms are those of the slowest stage (its own layers' compute and communication) plus
+    ``p2p`` (stage-boundary transfers) and ``pipeline_bubble`` (waiting for the other stages), from the
+    makespans of :mod:`leangrpo_mcore.parallel.pipeline_time`.
+    """
+    work = _for_schedule(work, layout, schedule)
+    if layout.pp == 1:
+        return {**_stage_time(work, hw, layout, schedule, ac, work.arch), "p2p": 0.0, "pipeline_bubble": 0.0}
+    stages = [stage_spec(work.arch, layout.pp, k) for k in range(layout.pp)]
+    times = [_stage_time(work, hw, layout, schedule, ac, arch) for arch in stages]
+    own = max(times, key=lambda t: sum(t.values()))
+    compute = [sum(t[k] for k in COMPUTE_TERMS) for t in times]
+    span, p2p = _pipeline_span(work, hw, layout, schedule, ac, stages, compute)
+    return {**own, "p2p": p2p, "pipeline_bubble": max(span - p2p - sum(own[k] for k in COMPUTE_TERMS), 0.0)}
+
+
+def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool,
+                   stages: list[ArchSpec], compute: list[float]) -> tuple[float, float]:
+    """(seconds from the first stage's first forward to the last backward, boundary seconds within them).
+
+    Native: each denoising step's forwards of a group's micro-batches are one forward-only schedule (the SDE
+    step needs the velocities before the next), the KL reference forwards one more, and each update's
+    recompute one 1F1B schedule over the (micro-batch, selected step) units. Retain and Reweight: lock-step.
+    """
+    shape = sample_shape(work, layout)
+    rates = [_rates(work, hw, layout, ac, arch) for arch in stages]
+    b, cfg = shape.micro_batch, (2 if work.cfg else 1)
+    groups, per_group = shape.groups_per_rank, shape.micro_batches // shape.groups_per_rank
+    hops = pt.boundary_seconds(hw, layout, b * cfg * boundary_elements(work.arch, work.tokens)
+                               * work.precision.compute_bytes)
+    # the float32 velocity the last stage broadcasts to the others after each micro-batch's forward
+    velocity = max(pt.boundary_seconds(hw, layout, b * cfg * 4 * work.arch.latent_elements(work.tokens)))
+    forwards, backwards = _passes(work, schedule)
+    if schedule != "native":
+        passes = shape.micro_batches * (forwards + backwards)
+        p2p = passes * sum(hops) + shape.micro_batches * forwards * velocity
+        return sum(compute) + p2p, p2p
+    fwd = [b * (r.forward + r.tp_per_pass) for r in rates]
+    bwd = [b * (r.backward + r.tp_per_pass) for r in rates]
+    units = per_group * work.selected_steps
+    roll = pt.forward_only(fwd, hops, per_group)
+    ref = pt.forward_only(fwd, hops, units) if work.kl_beta > 0 else (0.0, 0.0)
+    train = pt.one_f_one_b(fwd, bwd, hops, units)
+    updates = work.updates_per_rollout
+    span = groups * (work.num_steps * (roll[0] + per_group * velocity) + ref[0] + updates * train[0])
+    p2p = groups * (work.num_steps * (roll[1] + per_group * velocity) + ref[1] + updates * train[1])
+    return span, p2p
+
+
+def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool,
+                arch: ArchSpec) -> dict[str, float]:
+    """Seconds per optimizer step by component of a rank holding ``arch`` (the whole model or one stage)."""
+    shape = sample_shape(work, layout)
+    rates, n, mb = _rates(work, hw, layout, ac, arch), shape.samples, shape.micro_batches
+    steps, extra = work.selected_steps, work.updates_per_rollout - 1
+    kl = work.kl_beta > 0
+    trainable = params_per_rank(arch, layout.tp) if work.full_finetune else lora_params_per_rank(
+        arch, work.lora_rank, work.lora_targets, layout.tp)
+    forwards, backwards = _passes(work, schedule)
     # Reweight runs each trained sample's forward and backward alone (batch 1) whatever the micro-batch B: B
     # per-sample forwards and backwards, the work charged per sample below (no B backwards of a batched graph).
-    params = params_per_rank(work.arch, layout.tp) * work.precision.compute_bytes
+    params = params_per_rank(arch, layout.tp) * work.precision.compute_bytes
     shards = layout.shard_ranks
     gather = (shards - 1) / shards * params / (hw.intra_node_gbps * 1e9)
     gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
@@ -345,13 +430,13 @@ def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bo
         # the trainer refuses it too: only FSDP2 casts master weights to the compute dtype
         return Estimate(schedule, layout, ac, shape, feasible=False,
                         note="no data-parallel ranks: nothing casts the fp32 master weights to the compute dtype")
-    phases = memory_phases(work, hw, layout, schedule, ac)
+    stage, phases = heaviest_stage(work, hw, layout, schedule, ac)
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     est = Estimate(schedule, layout, ac, shape, peak_mem_bytes=sum(phases[phase].values()), peak_phase=phase,
                    memory=phases[phase], time=step_time(work, hw, layout, schedule, ac), phases=phases)
     est.fits = hw.gpu_mem_bytes is None or est.peak_mem_bytes <= hw.gpu_mem_bytes
-    terms = _memory_terms(work, hw, layout, ac)
-    est.details = {"activations_per_step_bytes": terms["activations_step"],
+    terms = _memory_terms(_for_schedule(work, layout, schedule), hw, layout, ac, stage)
+    est.details = {"heaviest_stage": stage,"activations_per_step_bytes": terms["activations_step"],
                    "activations_per_sample_bytes": terms["activations_sample_step"],
                    "gradient_bytes": terms["gradient_buffer"],
                    "provisional_grad_bytes": terms["gradient_buffer"] * terms["buffers"] if schedule == "reweight"

@@ -1,9 +1,11 @@
-"""The layout planner: pick the schedule, TP / CP / FSDP / HSDP degrees and the placement of prompt groups.
+"""The layout planner: pick the schedule, PP / TP / CP / FSDP / HSDP degrees and the placement of prompt groups.
 
-Pure Python (no torch.distributed). Candidates are every TP size dividing both the attention heads and the GPUs
-per node, every CP (context-parallel) size dividing the heads per TP rank with TP x CP inside a node, every FSDP
-shard degree filling part or all of the rest of a node, HSDP replicas across the remaining GPUs, each schedule
-(Native, Retain, Reweight) and, unless the experiment fixes it, activation checkpointing on and off.
+Pure Python (no torch.distributed). Candidates are every pipeline-parallel size whose stages are whole nodes or
+divide a node (pp outermost, at most one stage per block), every TP size dividing both the attention heads and
+the GPUs of a stage in a node, every CP (context-parallel) size dividing the heads per TP rank with TP x CP inside
+a node (CP only at pp = 1, as the trainer runs it), every FSDP shard degree filling part or all of the rest of a
+node, HSDP replicas across the remaining GPUs of a stage, each schedule (Native, Retain, Reweight) and, unless
+the experiment fixes it, activation checkpointing on and off.
 :mod:`leangrpo_mcore.parallel.cost_model` predicts each candidate's peak memory and step time; the fastest that
 fits wins, and the plan explains the choice against the best of the other schedules (and, with CP > 1, against
 CP = 1). When nothing fits the plan refuses, naming the smallest peak and what dominates it.
@@ -25,7 +27,9 @@ from leangrpo_mcore.parallel.config_workload import (  # noqa: F401 (the config 
     precision_from_config,
     workload_from_config,
 )
+from leangrpo_mcore.parallel.arch_specs import boundary_elements, stage_block_counts
 from leangrpo_mcore.parallel.cost_model import Estimate, estimate
+from leangrpo_mcore.parallel.pipeline_time import boundary_seconds
 from leangrpo_mcore.parallel.workload import SCHEDULES, GiB, Hardware, Layout, Workload
 from leangrpo_mcore.parallel.placement import Placement, place
 
@@ -33,7 +37,8 @@ _WORDS = {
     "rollout": "rollout forwards", "recompute": "recomputing the selected steps",
     "reference_forward": "reference forwards", "backward": "backward passes",
     "fsdp_all_gather": "FSDP all-gathers", "tp_all_reduce": "TP all-reduces",
-    "cp_all_to_all": "context-parallel all-to-alls",
+    "cp_all_to_all": "context-parallel all-to-alls", "p2p": "stage-boundary sends",
+    "pipeline_bubble": "the pipeline bubble",
     "grad_sync": "gradient synchronisation", "grad_buffers": "gradient-buffer traffic",
     "optimizer": "the optimizer", "reward": "rewards", "provisional_grads": "provisional gradients",
     "activations": "activations", "weights": "weights",
@@ -85,7 +90,8 @@ def candidate_dict(est: Estimate) -> dict[str, Any]:
     """One candidate as JSON: the documented JSON keys plus checkpointing, shape and notes."""
     shape = est.shape
     return {
-        "schedule": est.schedule, "tp": est.layout.tp, "cp": est.layout.cp, "dp_shard": est.layout.dp_shard,
+        "schedule": est.schedule, "pp": est.layout.pp, "tp": est.layout.tp, "cp": est.layout.cp,
+        "dp_shard": est.layout.dp_shard,
         "dp_replicate": est.layout.dp_replicate, "activation_checkpointing": est.activation_checkpointing,
         "generations_per_rank": shape.generations_per_rank if shape else None,
         "worker_groups": shape.worker_groups if shape else None,
@@ -115,45 +121,75 @@ def check_cp(cp: int, num_heads: int, hw: Hardware, tp: Optional[int] = None) ->
         raise UserError(f"cp={cp} does not divide the {num_heads} attention heads (Ulysses splits the heads)")
 
 
+def pipeline_sizes(hw: Hardware, num_layers: int) -> list[int]:
+    """Pipeline-parallel sizes the planner tries: each stage whole nodes or a divisor of a node, one block at
+    least per stage."""
+    g = hw.gpus_per_node
+    return [p for p in divisors(hw.world_size) if p <= num_layers
+            and ((hw.world_size // p) % g == 0 or g % (hw.world_size // p) == 0)]
+
+
+def check_pp(pp: int, num_layers: int, hw: Hardware, cp: Optional[int] = None) -> None:
+    """One-line UserError unless ``pp`` stages can be placed on the cluster and run by the trainer."""
+    if pp < 1:
+        raise UserError(f"pp must be >= 1, got {pp}")
+    if pp not in pipeline_sizes(hw, num_layers):
+        raise UserError(f"pp={pp} does not split {hw.nodes} node(s) x {hw.gpus_per_node} GPUs into stages of whole "
+                        f"nodes or of a divisor of a node, with a block per stage ({num_layers} blocks)")
+    if pp > 1 and cp is not None and cp > 1:
+        raise UserError(f"pp={pp} with cp={cp} is not supported by the trainer: set one of them to 1")
+
+
 def enumerate_layouts(num_heads: int, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Optional[int] = None,
-                      dp_replicate: Optional[int] = None, cp: Optional[int] = None) -> list[Layout]:
-    """TP | heads and TP | GPUs per node; CP | heads / TP; TP x CP x dp_shard inside a node; dp_replicate the
-    rest (fixed ones kept; ``cp=None`` tries every CP degree)."""
+                      dp_replicate: Optional[int] = None, cp: Optional[int] = None, pp: Optional[int] = 1,
+                      num_layers: Optional[int] = None) -> list[Layout]:
+    """PP stages of whole nodes or a divisor of a node; TP | heads and TP | GPUs per node; CP | heads / TP (at
+    pp = 1); TP x CP x dp_shard inside a node; dp_replicate the rest of a stage (fixed ones kept; ``cp=None``
+    / ``pp=None`` try every degree; ``num_layers`` bounds pp, one block per stage)."""
     if cp is not None:
         check_cp(cp, num_heads, hw, tp)
+    layers = num_layers if num_layers is not None else hw.world_size
+    if pp is not None:
+        check_pp(pp, layers, hw, cp)
     out = []
-    for t in divisors(hw.gpus_per_node):
-        if num_heads % t or (tp is not None and t != tp):
+    for p in pipeline_sizes(hw, layers):
+        if pp is not None and p != pp:
             continue
-        for c in divisors(hw.gpus_per_node // t):
-            if (num_heads // t) % c or (cp is not None and c != cp):
+        stage = hw.world_size // p
+        inner = min(stage, hw.gpus_per_node)
+        for t in divisors(inner):
+            if num_heads % t or (tp is not None and t != tp):
                 continue
-            for s in divisors(hw.gpus_per_node // (t * c)):
-                r = hw.world_size // (t * c * s)
-                if (dp_shard is None or s == dp_shard) and (dp_replicate is None or r == dp_replicate):
-                    out.append(Layout(t, s, r, c))
+            for c in divisors(inner // t):
+                if (num_heads // t) % c or (cp is not None and c != cp) or (p > 1 and c > 1):
+                    continue
+                for s in divisors(inner // (t * c)):
+                    r = stage // (t * c * s)
+                    if (dp_shard is None or s == dp_shard) and (dp_replicate is None or r == dp_replicate):
+                        out.append(Layout(t, s, r, c, p))
     if not out:
-        raise UserError(f"no layout with tp={tp}, cp={cp}, dp_shard={dp_shard}, dp_replicate={dp_replicate} on "
-                        f"{hw.nodes} node(s) x {hw.gpus_per_node} GPUs ({num_heads} heads; TP x CP x dp_shard "
-                        f"must divide the GPUs per node)")
+        raise UserError(f"no layout with pp={pp}, tp={tp}, cp={cp}, dp_shard={dp_shard}, dp_replicate="
+                        f"{dp_replicate} on {hw.nodes} node(s) x {hw.gpus_per_node} GPUs ({num_heads} heads; "
+                        f"TP x CP x dp_shard must divide the GPUs per node)")
     return out
 
 
 def plan(work: Workload, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Optional[int] = None,
-         dp_replicate: Optional[int] = None, cp: Optional[int] = None,
+         dp_replicate: Optional[int] = None, cp: Optional[int] = None, pp: Optional[int] = None,
          schedules: tuple[str, ...] = SCHEDULES) -> Plan:
     """Evaluate every candidate and choose the fastest that fits (or refuse, with the reason).
 
-    ``cp=None`` tries every context-parallel degree, except under ``reward.async_scoring`` (which the trainer
-    refuses with CP): then only CP = 1.
+    ``cp=None`` / ``pp=None`` try every context- / pipeline-parallel degree, except under
+    ``reward.async_scoring`` (which the trainer refuses with either): then only CP = PP = 1.
     """
     if work.async_scoring:
-        if cp is not None and cp > 1:
-            raise UserError(f"reward.async_scoring with parallel.cp={cp} is not supported by the trainer: set "
-                            f"one of them off")
-        cp = 1
+        for name, value in (("cp", cp), ("pp", pp)):
+            if value is not None and value > 1:
+                raise UserError(f"reward.async_scoring with parallel.{name}={value} is not supported by the "
+                                f"trainer: set one of them off")
+        cp, pp = 1, 1
     layouts = enumerate_layouts(work.arch.num_heads, hw, tp=tp, dp_shard=dp_shard, dp_replicate=dp_replicate,
-                                cp=cp)
+                                cp=cp, pp=pp, num_layers=work.arch.num_layers)
     ac_options = (False, True) if work.activation_checkpointing is None else (work.activation_checkpointing,)
     cands = [estimate(work, hw, lay, sched, ac) for lay in layouts for sched in schedules for ac in ac_options]
     order = {name: i for i, name in enumerate(("reweight", "retain", "native"))}
@@ -167,6 +203,8 @@ def plan(work: Workload, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Op
     reason = explain(best, cands, work, hw, placement)
     if best.layout.cp > 1:
         reason += " " + _cp_words(best, cands, work, hw)
+    if best.layout.pp > 1:
+        reason += " " + pp_words(best, cands, work, hw)
     if best.schedule == "reweight":
         reason += " " + _reweight_words(work)
     return Plan(best.schedule, reason, best, cands, placement, hw, work)
@@ -209,6 +247,40 @@ def _cp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardwar
                    f"parallel.cp > 1).")
 
 
+def pp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardware) -> str:
+    """Why the chosen layout splits the blocks into pipeline stages, against the best layout without, and how
+    to run it (the trainer's ``schedule.name=auto`` keeps the config's ``parallel.pp``)."""
+    lay = best.layout
+    counts = stage_block_counts(work.arch.num_layers, lay.pp)
+    per_node = lay.stage_ranks / hw.gpus_per_node
+    where = ("one stage per node" if per_node == 1 else f"one stage per {int(per_node)} nodes" if per_node > 1
+             else f"{round(1 / per_node)} stages per node")
+    sample = boundary_elements(work.arch, work.tokens) * work.precision.compute_bytes * (2 if work.cfg else 1)
+    links = boundary_seconds(hw, lay, 1.0)
+    across = sum(1 for seconds in links if seconds > 1.0 / (hw.intra_node_gbps * 1e9))
+    link = (f", {across} of the {lay.pp - 1} boundaries over the {hw.inter_node_gbps:g} GB/s links between "
+            f"nodes") if across else ""
+    text = (f"PP={lay.pp} splits the {work.arch.num_layers} blocks {'/'.join(map(str, counts))} over {lay.pp} "
+            f"stages, {where}: each GPU holds only its stage's parameters, gradients and optimizer state, and "
+            f"{sample / 1e6:.1f} MB per sample crosses a stage boundary each forward{link}; the pipeline bubble "
+            f"costs {best.time['pipeline_bubble']:.1f} s/step and the boundary sends {best.time['p2p']:.1f} s/step")
+    considered = [x for x in cands if x.layout.pp == 1 and x.feasible]
+    fits = [x for x in considered if x.fits]
+    if not considered:
+        text += " (the degree asked for)."
+    elif not fits:
+        low = min(considered, key=lambda x: x.peak_mem_bytes)
+        text += (f". Nothing fits at PP=1 (smallest peak {_gib(low.peak_mem_bytes)} of {_gib(hw.gpu_mem_bytes)}: "
+                 f"{low.schedule.capitalize()} with {describe_layout(low, work)}; largest terms: {_top(low.memory)}).")
+    else:
+        other = min(fits, key=lambda x: x.step_time_s)
+        diff = {k: other.time.get(k, 0.0) - best.time.get(k, 0.0) for k in other.time}
+        worst = max(diff, key=diff.get)
+        text += (f". The fastest at PP=1 ({other.schedule.capitalize()} with {describe_layout(other, work)}) takes "
+                 f"{other.step_time_s:.1f} s/step, mostly {_WORDS.get(worst, worst)} (+{diff[worst]:.1f} s).")
+    return text + f" Run it with schedule.name={best.schedule} parallel.pp={lay.pp}."
+
+
 def _reweight_words(work: Workload) -> str:
     """How the chosen Reweight accumulates, and why it fell back if it did (one sentence)."""
     text = f"Reweight accumulates {work.reweight_accumulate.replace('_', '-')} provisional gradients"
@@ -225,7 +297,8 @@ def _gib(n: float) -> str:
 def describe_layout(est: Estimate, work: Workload) -> str:
     """Words for a candidate's layout: degrees, group sharing and checkpointing."""
     lay, shape = est.layout, est.shape
-    parts = [f"TP={lay.tp}"]
+    parts = [f"PP={lay.pp}"] if lay.pp > 1 else []
+    parts.append(f"TP={lay.tp}")
     if lay.cp > 1:
         parts += [f"CP={lay.cp}", f"FSDP over {lay.shard_ranks} (dp_shard {lay.dp_shard} x CP {lay.cp})"]
     else:
@@ -247,7 +320,7 @@ def _top(terms: dict, n: int = 2) -> str:
 
 
 def _versus(other: Estimate, best: Estimate, work: Workload) -> str:
-    name = other.schedule.capitalize()
+    name = other.schedule.capitalize() + (f" (PP={other.layout.pp})" if other.layout.pp > 1 else "")
     if not other.fits:
         text = f"{name} does not fit (best {_gib(other.peak_mem_bytes)} in {other.peak_phase}: {_top(other.memory)})"
         if other.schedule == "retain" and other.max_selected_steps is not None:
@@ -318,7 +391,7 @@ def plan_for_config(config: Any, world_size: int, *, gpus_per_node: Optional[int
     """Plan ``config`` on ``world_size`` ranks (``schedule.name: auto``); :class:`PlanError` when nothing fits.
 
     ``gpus_per_node`` defaults to ``$LOCAL_WORLD_SIZE`` (else one node); ``gpu_mem_gb`` None means unlimited
-    memory (the plan then only compares time). The config's ``parallel.tp``, ``parallel.cp``, activation
+    memory (the plan then only compares time). The config's ``parallel.tp``, ``parallel.cp``, ``parallel.pp``, activation
     checkpointing and any integer ``dp_shard`` / ``dp_replicate`` are kept; ``auto`` degrees are chosen. Extra
     keyword arguments set :class:`Hardware` fields (e.g. ``gpu_tflops``, ``inter_node_gbps``).
     """
@@ -328,7 +401,7 @@ def plan_for_config(config: Any, world_size: int, *, gpus_per_node: Optional[int
     mem = None if gpu_mem_gb is None else int(gpu_mem_gb * GiB)
     hw = Hardware(nodes=world_size // g, gpus_per_node=g, gpu_mem_bytes=mem, **hardware)
     p = config.parallel
-    result = plan(workload_from_config(config), hw, tp=p.tp, cp=p.cp, dp_shard=_fixed(p.dp_shard),
+    result = plan(workload_from_config(config), hw, tp=p.tp, cp=p.cp, pp=p.pp, dp_shard=_fixed(p.dp_shard),
                   dp_replicate=_fixed(p.dp_replicate))
     return result.require()
 
@@ -345,10 +418,11 @@ def predict_memory(config: Any, *, world_size: int = 1, text_tokens: Optional[in
     """
     p = config.parallel
     r = _fixed(p.dp_replicate) or 1
-    s = _fixed(p.dp_shard) or world_size // (p.tp * p.cp * r)
-    if p.tp * p.cp * s * r != world_size:
-        raise UserError(f"tp {p.tp} x cp {p.cp} x dp_shard {s} x dp_replicate {r} != world size {world_size}")
-    layout = Layout(p.tp, s, r, p.cp)
+    s = _fixed(p.dp_shard) or world_size // (p.pp * p.tp * p.cp * r)
+    if p.pp * p.tp * p.cp * s * r != world_size:
+        raise UserError(f"pp {p.pp} x tp {p.tp} x cp {p.cp} x dp_shard {s} x dp_replicate {r} != world size "
+                        f"{world_size}")
+    layout = Layout(p.tp, s, r, p.cp, p.pp)
     hw = Hardware(nodes=1, gpus_per_node=world_size, overhead_bytes=overhead_bytes)
     work = workload_from_config(config, text_tokens=text_tokens, decode_bytes=decode_bytes)
     work = replace(work, foreach_optimizer=device != "cpu")

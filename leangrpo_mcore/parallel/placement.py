@@ -1,6 +1,8 @@
 """Where every rank sits in a plan: node, TP and CP rank, FSDP/HSDP coordinates, worker group and generations.
 
-Global rank = node x gpus_per_node + local rank. Tensor parallelism varies fastest, then context parallelism
+Global rank = node x gpus_per_node + local rank. Pipeline stages are outermost: stage k is the ``stage_ranks``
+ranks from k x stage_ranks, each with the data-parallel layout below over its own ranks. Tensor parallelism
+varies fastest, then context parallelism
 (megatron-core's order, ``parallel/mesh.py``), so a TP group is ``tp`` consecutive local ranks and a CP group
 ``cp`` ranks ``tp`` apart among ``tp x cp`` consecutive ones, never leaving a node (the planner only picks
 TP x CP dividing the GPUs per node). The data-parallel index is ``rank // (tp x cp)``; the CP ranks of an index
@@ -35,6 +37,8 @@ class RankPlacement:
     """Generation indices (within each prompt group) this rank makes."""
     prompt_slots: tuple[int, ...]
     """Prompt groups of the step (0 .. prompts_per_step - 1) this rank works on."""
+    pp_rank: int = 0
+    """Pipeline stage (the blocks it holds: ``parallel.arch_specs.stage_block_counts``)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ def place(layout: Layout, hw: Hardware, shape: Shape, group_size: int, prompts_p
     rows = []
     for rank in range(hw.world_size):
         node, local = divmod(rank, g)
-        dp_rank = rank // (tp * cp)
+        stage, inner = divmod(rank, layout.stage_ranks)
+        dp_rank = inner // (tp * cp)
         if conventional:
             worker, gens = dp_rank, tuple(range(group_size))
             slots = tuple(range(dp_rank, prompts_per_step, dp))
@@ -73,10 +78,10 @@ def place(layout: Layout, hw: Hardware, shape: Shape, group_size: int, prompts_p
             gens = tuple(range(member, group_size, shape.ranks_per_group))
             slots = tuple(range(worker, prompts_per_step, shape.worker_groups))
         rows.append(RankPlacement(rank, node, local, rank % tp, (rank // tp) % cp, dp_rank,
-                                  dp_rank % layout.dp_shard, dp_rank // layout.dp_shard, worker, gens, slots))
+                                  dp_rank % layout.dp_shard, dp_rank // layout.dp_shard, worker, gens, slots, stage))
     nodes_per_group = {}
-    for row in rows:
-        nodes_per_group.setdefault(row.worker_group, set()).add(row.node)
+    for row in rows:  # a group's reward all-gather runs among its ranks of one stage
+        nodes_per_group.setdefault((row.pp_rank, row.worker_group), set()).add(row.node)
     spans = max(len(nodes) for nodes in nodes_per_group.values())
     return Placement(
         ranks=tuple(rows),

@@ -72,10 +72,15 @@ def targets(plan: Plan, which: str) -> list[int]:
     if which == "chosen":
         if plan.chosen is None:
             raise UserError("--simulate chosen: nothing fits, so nothing is chosen (use --simulate all)")
+        if plan.chosen.layout.pp > 1:
+            raise UserError(f"--simulate runs one rank of the whole policy and does not simulate pipeline stages; "
+                            f"the chosen layout has pp={plan.chosen.layout.pp} (plan with --pp 1, or --simulate "
+                            f"all for the best pp=1 candidate of each schedule)")
         return [plan.candidates.index(plan.chosen)]
     out = []
-    for schedule in SCHEDULES:
-        best = next((i for i, c in enumerate(plan.candidates) if c.schedule == schedule and c.feasible), None)
+    for schedule in SCHEDULES:  # the simulator runs the whole policy on one rank: pp = 1 candidates only
+        best = next((i for i, c in enumerate(plan.candidates) if c.schedule == schedule and c.feasible
+                     and c.layout.pp == 1), None)
         if best is not None:
             out.append(best)
     return out

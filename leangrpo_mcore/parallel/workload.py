@@ -143,16 +143,30 @@ class Workload:
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel degrees: TP and CP inside a node, FSDP sharding inside a node, HSDP replicas across the rest.
+    """Parallel degrees: TP and CP inside a node, FSDP sharding inside a node, HSDP replicas across the rest of a
+    pipeline stage, and ``pp`` stages outermost.
 
-    World size = tp x cp x dp_shard x dp_replicate (``parallel/mesh.py``). The cp ranks of a data-parallel index
-    split every sample's tokens and make the same samples; FSDP2 shards over dp_shard x cp of them.
+    World size = pp x tp x cp x dp_shard x dp_replicate (``parallel/mesh.py``). The cp ranks of a data-parallel
+    index split every sample's tokens and make the same samples; FSDP2 shards over dp_shard x cp of them. Each
+    pipeline stage has this data-parallel layout over its own ``stage_ranks`` ranks; the pp ranks of a sample
+    count as one data-parallel rank.
     """
 
     tp: int
     dp_shard: int
     dp_replicate: int
     cp: int = 1
+    pp: int = 1
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage (the whole world at pp = 1)."""
+        return self.tp * self.cp * self.dp_shard * self.dp_replicate
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the layout."""
+        return self.pp * self.stage_ranks
 
     @property
     def dp(self) -> int:

@@ -25,7 +25,7 @@ CASES = [  # (config, overrides): several |S| and token counts, images and video
 SCHEDULES = ("native", "retain", "reweight")
 
 
-def _measure(rank, world_size):
+def _measure(rank, world_size, cases=CASES, extra=()):
     import torch
 
     from leangrpo_mcore.config import load_config
@@ -40,9 +40,9 @@ def _measure(rank, world_size):
 
     rows = []
     dist_ctx = init_distributed()
-    for path, overrides in CASES:
+    for path, overrides in cases:
         for schedule in SCHEDULES:
-            cfg = load_config(path, [f"schedule.name={schedule}", "checkpoint.save_every=0"] + overrides)
+            cfg = load_config(path, [f"schedule.name={schedule}", "checkpoint.save_every=0"] + overrides + list(extra))
             pctx = build.build_context(cfg, dist_ctx)
             parts = build.build_policy_parts(cfg, pctx, build.precision_of(cfg, pctx))
             dcfg = parts.policy.config.to_diffusers_config()
@@ -61,7 +61,7 @@ def _measure(rank, world_size):
                 cond = data.text_encoder.encode(data.dataset.get(ids))
                 bridge.begin_step(False)
                 result = engine.step(StepInputs(step=step, conditioning=cond, prompt_ids=torch.tensor(ids)))
-            estimate = predict_memory(cfg, decode_bytes=decode_bytes, device="cpu")[schedule]
+            estimate = predict_memory(cfg, world_size=world_size, decode_bytes=decode_bytes, device="cpu")[schedule]
             predicted = estimate.peak_excluding("weights", "optimizer", "reserved")
             rows.append((path, overrides[1:], schedule, result.peak_memory_bytes, predicted))
             destroy_parallel_context()
@@ -78,3 +78,13 @@ def test_predicted_peak_within_15_percent_of_measured():
     by = {(r[0], tuple(r[1]), r[2]): r[3] for r in rows}
     for path, overrides in CASES:
         assert by[(path, tuple(overrides[1:]), "retain")] > by[(path, tuple(overrides[1:]), "native")]
+
+
+def test_pipeline_stages_predicted_peak_within_15_percent_of_measured():
+    """At parallel.pp=2 each rank holds one stage: the heaviest stage's predicted peak against the larger of the
+    two ranks' measured peaks (both stages run the same step program)."""
+    ranks = run_ranks(_measure, 2, CASES[:1], ["parallel.pp=2"], timeout=600)
+    for first, second in zip(*ranks):
+        path, overrides, schedule, _, predicted = first
+        measured = max(first[3], second[3])
+        assert abs(predicted - measured) <= 0.15 * measured, (schedule, first[3], second[3], predicted)

@@ -19,6 +19,8 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
+from leangrpo_mcore.parallel.arch_specs import stage_block_counts
+
 
 @dataclass(frozen=True)
 class PipelineStage:
@@ -80,9 +82,7 @@ def split_blocks(total: int, pp: int, sizes: Optional[Sequence[int]] = None) -> 
     if pp < 1:
         raise ValueError(f"pipeline-parallel size must be at least 1, got {pp}")
     if sizes is None:
-        if pp > total:
-            raise ValueError(f"cannot split {total} blocks over {pp} pipeline stages: every stage needs a block")
-        sizes = [total // pp + (1 if rank < total % pp else 0) for rank in range(pp)]
+        sizes = stage_block_counts(total, pp)  # the planner's split too
     sizes = [int(n) for n in sizes]
     if len(sizes) != pp or sum(sizes) != total or min(sizes) < 1:
         raise ValueError(f"pipeline stage sizes {sizes} must be {pp} positive block counts summing to {total}")
