@@ -317,8 +317,9 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     """(seconds from the first stage's first forward to the last backward, boundary seconds within them).
 
     Native: each denoising step's forwards of a group's micro-batches are one forward-only schedule (the SDE
-    step needs the velocities before the next), the KL reference forwards one more, and each update's
-    recompute one 1F1B schedule over the (micro-batch, selected step) units. Retain and Reweight: lock-step.
+    step needs the velocities before the next), the KL reference forwards go through the stages one unit after
+    the other (``schedules/native.py``), and each update's recompute is one 1F1B schedule over the
+    (micro-batch, selected step) units. Retain and Reweight: lock-step.
     """
     shape = sample_shape(work, layout)
     rates = [_rates(work, hw, layout, ac, arch) for arch in stages]
@@ -337,7 +338,8 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     bwd = [b * (r.backward + r.tp_per_pass) for r in rates]
     units = per_group * work.selected_steps
     roll = pt.forward_only(fwd, hops, per_group)
-    ref = pt.forward_only(fwd, hops, units) if work.kl_beta > 0 else (0.0, 0.0)
+    ref = (units * (sum(fwd) + sum(hops) + velocity), units * (sum(hops) + velocity)) if work.kl_beta > 0 \
+        else (0.0, 0.0)
     train = pt.one_f_one_b(fwd, bwd, hops, units)
     updates = work.updates_per_rollout
     span = groups * (work.num_steps * (roll[0] + per_group * velocity) + ref[0] + updates * train[0])
@@ -419,8 +421,10 @@ class Estimate:
         return max(sum(v for k, v in phase.items() if k not in terms) for phase in self.phases.values())
 
 
-def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> Estimate:
-    """Memory and time of one choice; an infeasible layout gets ``feasible=False`` and the reason."""
+def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool,
+             stage: Optional[int] = None) -> Estimate:
+    """Memory and time of one choice; an infeasible layout gets ``feasible=False`` and the reason. The memory is
+    that of pipeline stage ``stage`` (default: the heaviest one)."""
     try:
         shape = sample_shape(work, layout)
     except UserError as err:
@@ -430,7 +434,10 @@ def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bo
         # the trainer refuses it too: only FSDP2 casts master weights to the compute dtype
         return Estimate(schedule, layout, ac, shape, feasible=False,
                         note="no data-parallel ranks: nothing casts the fp32 master weights to the compute dtype")
-    stage, phases = heaviest_stage(work, hw, layout, schedule, ac)
+    if stage is None:
+        stage, phases = heaviest_stage(work, hw, layout, schedule, ac)
+    else:
+        phases = memory_phases(work, hw, layout, schedule, ac, stage)
     phase = max(phases, key=lambda p: sum(phases[p].values()))
     est = Estimate(schedule, layout, ac, shape, peak_mem_bytes=sum(phases[phase].values()), peak_phase=phase,
                    memory=phases[phase], time=step_time(work, hw, layout, schedule, ac), phases=phases)

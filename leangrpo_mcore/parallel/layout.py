@@ -407,7 +407,8 @@ def plan_for_config(config: Any, world_size: int, *, gpus_per_node: Optional[int
 
 
 def predict_memory(config: Any, *, world_size: int = 1, text_tokens: Optional[int] = None,
-                   overhead_bytes: int = 0, decode_bytes: int = 0, device: str = "cuda") -> dict[str, Estimate]:
+                   overhead_bytes: int = 0, decode_bytes: int = 0, device: str = "cuda",
+                   stage: Optional[int] = None) -> dict[str, Estimate]:
     """Predicted memory of every schedule for ``config`` as written, on one node of ``world_size`` ranks.
 
     Degrees come from the config (``auto``: dp_replicate 1, dp_shard the rest after TP and CP). The default
@@ -415,6 +416,7 @@ def predict_memory(config: Any, *, world_size: int = 1, text_tokens: Optional[in
     ``memory`` dict splits its peak phase into terms (weights, optimizer, activations, ...). ``decode_bytes`` is
     the transient memory of decoding and scoring one micro-batch (the VAE and reward model are inputs of the
     planner, not derived by it). ``device="cpu"`` models torch's CPU optimizer (one parameter at a time).
+    ``stage`` picks the pipeline stage whose memory is predicted (default: the heaviest).
     """
     p = config.parallel
     r = _fixed(p.dp_replicate) or 1
@@ -427,7 +429,7 @@ def predict_memory(config: Any, *, world_size: int = 1, text_tokens: Optional[in
     work = workload_from_config(config, text_tokens=text_tokens, decode_bytes=decode_bytes)
     work = replace(work, foreach_optimizer=device != "cpu")
     ac = bool(work.activation_checkpointing)
-    return {sched: estimate(work, hw, layout, sched, ac) for sched in SCHEDULES}
+    return {sched: estimate(work, hw, layout, sched, ac, stage) for sched in SCHEDULES}
 
 
 def predict_peak_bytes(config: Any, *, world_size: int = 1, text_tokens: Optional[int] = None) -> dict[str, int]:

@@ -172,6 +172,10 @@ def test_lock_step_schedules_pay_every_other_stage_as_bubble():
     assert 2.5 * own < est.time["pipeline_bubble"] < 3.1 * own
     native = estimate(work, hw, Layout(4, 2, 1, 1, 4), "native", False)
     assert native.time["pipeline_bubble"] < 0.2 * est.time["pipeline_bubble"]
+    # Native's KL reference forwards go unit by unit through the stages: ~3 x their own time more bubble
+    kl = estimate(_flux_work(kl_beta=0.01), hw, Layout(4, 2, 1, 1, 4), "native", False)
+    added = kl.time["pipeline_bubble"] - native.time["pipeline_bubble"]
+    assert 2.5 * kl.time["reference_forward"] < added < 3.3 * kl.time["reference_forward"]
 
 
 def test_placement_puts_stages_outermost():
