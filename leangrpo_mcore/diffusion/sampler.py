@@ -258,15 +258,18 @@ class RolloutLoop:
         self._record(out, prev, log_prob, train, grad)
 
     def step_with(self, velocity: torch.Tensor) -> None:
-        """Take the next step, a no-grad one, with its ``velocity`` computed elsewhere (:func:`rollout_together`)."""
-        if self.grad:
-            raise RuntimeError(f"step {self.t} runs with gradients: its forward must be the loop's own (step)")
+        """Take the next step with its ``velocity`` computed elsewhere (:func:`rollout_together`); a step with
+        gradients needs a velocity that carries its graph, and a whole-batch forward (not ``per_sample_grad``)."""
+        grad = self.grad
+        if grad and self.per_sample_grad:
+            raise RuntimeError(f"step {self.t} runs each trained row's forward alone: it must be the loop's own")
         t = self.t
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             out, prev, log_prob = _advance(velocity, self.x, self.sigmas[:, t], self.sigmas[:, t + 1],
                                            self.sde_steps[:, t], self.sde, step_generators(self.noise_seeds, t),
                                            self.split)
-        self._record(out, prev, log_prob, self.selected[:, t] & self.grad_steps[:, t], False)
+        del velocity
+        self._record(out, prev, log_prob, self.selected[:, t] & self.grad_steps[:, t], grad)
 
     def _record(self, out: SDEStep | None, prev: torch.Tensor, log_prob: torch.Tensor, train: torch.Tensor,
                 grad: bool) -> None:
@@ -335,20 +338,27 @@ ManyVelocities = Callable[[list[tuple[torch.Tensor, torch.Tensor, Conditioning]]
 (pipeline stages: :meth:`leangrpo_mcore.parallel.stages.StagedVelocity.velocities`)."""
 
 
-def rollout_together(loops: list[RolloutLoop], velocity_fn: VelocityFn, velocities: ManyVelocities) -> None:
+def rollout_together(loops: list[RolloutLoop], velocity_fn: VelocityFn, velocities: ManyVelocities, *,
+                     with_grad: bool = False) -> None:
     """Run ``loops`` to the end in lock-step: a step in which no loop needs gradients hands all their forwards to
-    ``velocities`` at once (entered in each loop's no-grad forward context); any other step runs each loop's own
-    forwards through ``velocity_fn``. Every loop takes exactly the steps it takes alone."""
+    ``velocities`` at once (entered in each loop's no-grad forward context), and so does, with ``with_grad``, a
+    step in which every loop needs them with whole-batch forwards (``velocities`` then runs under grad and
+    returns velocities that carry their graphs); any other step runs each loop's own forwards through
+    ``velocity_fn``. Every loop takes exactly the steps it takes alone."""
     while not all(loop.done for loop in loops):
         active = [loop for loop in loops if not loop.done]
-        if any(loop.grad for loop in active):
+        grads = {loop.grad for loop in active}
+        grad = grads == {True}
+        together = grads == {False} or (grad and with_grad and not any(loop.per_sample_grad for loop in active))
+        if not together:
             for loop in active:
                 loop.step(velocity_fn)
             continue
-        with torch.no_grad(), active[0].forward_context(False):
+        with torch.set_grad_enabled(grad), active[0].forward_context(grad):
             out = velocities([loop.request() for loop in active])
         for loop, velocity in zip(active, out):
             loop.step_with(velocity)
+        del out
 
 
 @dataclass(frozen=True)

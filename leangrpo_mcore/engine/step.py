@@ -450,12 +450,15 @@ class StepEngine:
         gens = list(share.generation_ids)
         batches = [gens[start:start + plan.micro_batch] for start in range(0, len(gens), plan.micro_batch)]
         many = getattr(self.velocity_fn, "velocities", None)
-        together = many is not None and (schedule is None or not schedule.recompute_free)
+        # Retain's trained steps go through the stages together too (their graphs kept); Reweight's per-sample
+        # backward at each trained step stays lock-step
+        keeps = schedule is not None and schedule.pipelined_rollout
+        together = many is not None and (schedule is None or not schedule.recompute_free or keeps)
         loops = {}
         if together:  # pipeline stages, no gradients: the micro-batches flow through the stages step after step
             loops = {mb: self._rollout_loop(inputs, share, mb, ids, schedule) for mb, ids in enumerate(batches)}
             with timer.phase("rollout"):
-                rollout_together([loop for loop, _ in loops.values()], self.velocity_fn, many)
+                rollout_together([loop for loop, _ in loops.values()], self.velocity_fn, many, with_grad=keeps)
         trajectories, rewards = [], []
         for mb, batch in enumerate(batches):
             loop, ids = loops.pop(mb) if together else self._rollout_loop(inputs, share, mb, batch, schedule)

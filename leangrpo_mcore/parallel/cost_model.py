@@ -319,7 +319,9 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     Native: each denoising step's forwards of a group's micro-batches are one forward-only schedule (the SDE
     step needs the velocities before the next), the KL reference forwards go through the stages one unit after
     the other (``schedules/native.py``), and each update's recompute is one 1F1B schedule over the
-    (micro-batch, selected step) units. Retain and Reweight: lock-step.
+    (micro-batch, selected step) units. Retain: the rollout's steps as Native's (the trained ones keep their
+    graphs), its deferred backward a backward pipeline over the kept graphs (the forward-only makespan with the
+    backward's seconds), later updates 1F1B. Reweight: lock-step.
     """
     shape = sample_shape(work, layout)
     rates = [_rates(work, hw, layout, ac, arch) for arch in stages]
@@ -330,7 +332,7 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     # the float32 velocity the last stage broadcasts to the others after each micro-batch's forward
     velocity = max(pt.boundary_seconds(hw, layout, b * cfg * 4 * work.arch.latent_elements(work.tokens)))
     forwards, backwards = _passes(work, schedule)
-    if schedule != "native":
+    if schedule == "reweight":
         passes = shape.micro_batches * (forwards + backwards)
         p2p = passes * sum(hops) + shape.micro_batches * forwards * velocity
         return sum(compute) + p2p, p2p
@@ -342,8 +344,11 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
         else (0.0, 0.0)
     train = pt.one_f_one_b(fwd, bwd, hops, units)
     updates = work.updates_per_rollout
-    span = groups * (work.num_steps * (roll[0] + per_group * velocity) + ref[0] + updates * train[0])
-    p2p = groups * (work.num_steps * (roll[1] + per_group * velocity) + ref[1] + updates * train[1])
+    first = pt.forward_only(bwd, hops, units) if schedule == "retain" else train
+    span = groups * (work.num_steps * (roll[0] + per_group * velocity) + ref[0] + first[0]
+                     + (updates - 1) * train[0])
+    p2p = groups * (work.num_steps * (roll[1] + per_group * velocity) + ref[1] + first[1]
+                    + (updates - 1) * train[1])
     return span, p2p
 
 

@@ -63,13 +63,17 @@ class _Stage:
 
     model_type = ModelType.encoder_or_decoder
 
-    def __init__(self, config: ScheduleConfig, policy: Optional[torch.nn.Module] = None) -> None:
-        self.config, self.policy = config, policy
+    def __init__(self, config: ScheduleConfig, policy: Optional[torch.nn.Module] = None,
+                 input_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        self.config, self.policy, self.input_hook = config, policy, input_hook
 
     def set_input_tensor(self, input_tensor) -> None:
-        """Hand the received boundary to the policy stage (pipeline size > 1); the first stage takes its inputs
-        from the data iterator."""
+        """Hand the received boundary (through ``input_hook`` when given) to the policy stage (pipeline size
+        > 1); the first stage takes its inputs from the data iterator."""
         if self.policy is not None and not self.policy.stage.pre_process:
+            if self.input_hook is not None:
+                input_tensor = [self.input_hook(t) for t in input_tensor] if isinstance(input_tensor, list) \
+                    else self.input_hook(input_tensor)
             self.policy.set_input_tensor(input_tensor)
 
 
@@ -188,7 +192,8 @@ waits for the other stages)."""
 def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequence, grad_sync: Optional[GradSync],
                       *, phase: PhaseFn, phases: dict[str, str], forward_only: bool = False,
                       dtype: torch.dtype = torch.float32, pipeline: Optional[torch.nn.Module] = None,
-                      ctx=None) -> Optional[list]:
+                      ctx=None, input_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                      ) -> Optional[list]:
     """Run ``micro_batches`` (any objects ``forward_step_func`` draws from its iterator) through megatron's
     ``get_forward_backward_func()``; returns the scheduler's per-micro-batch ``reduced`` (the last stage's).
 
@@ -197,7 +202,8 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     pipeline group: every stage calls it with the same micro-batches, ``forward_step_func`` returns the boundary
     tensor on a stage other than the last, the boundaries and their gradients travel in ``dtype``, and the
     transfers are timed as the ``bubble`` phase. A ``forward_only`` call may go without ``grad_sync`` (then ``ctx``
-    is the parallel context): nothing is backpropagated, so nothing is synchronised."""
+    is the parallel context): nothing is backpropagated, so nothing is synchronised. ``input_hook`` maps each
+    boundary the scheduler hands a stage before the policy sees it."""
     if not micro_batches:
         return []
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -212,7 +218,7 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     config = schedule_config(grad_sync, phase, phases, dtype)
     sync = grad_sync.backward_mode() if grad_sync is not None else contextlib.nullcontext()
     forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
-    stage = _Stage(config, pipeline)
+    stage = _Stage(config, pipeline, input_hook)
     extra = {}
     if pp > 1:
         extra["p2p_communicator"] = P2PCommunicator(pp_group=ctx.pp_group, config=config)

@@ -9,8 +9,10 @@ in terms of the per-stage seconds of one micro-batch's forward ``f[k]`` and back
   ``sum(f) + sum(h) + (m - 1) * (max(f) + max(h))``;
 - **1F1B** (Native's recompute; megatron-core's one-forward-one-backward schedule) over u units:
   ``sum(f + b) + 2 sum(h) + (u - 1) * (max(f) + max(b) + 2 max(h))``;
-- **lock-step** (Retain's and Reweight's grad-enabled passes): one pass at a time through all the stages, so
-  every pass costs ``sum(f)`` (or ``sum(b)``) plus its boundaries, and a stage is idle while the others compute.
+- **backward pipeline** (Retain's deferred backward of its kept graphs, GPipe's second half): the
+  forward-only makespan with the backward's seconds, the stages in reverse;
+- **lock-step** (Reweight's grad-enabled passes): one pass at a time through all the stages, so every pass
+  costs ``sum(f)`` (or ``sum(b)``) plus its boundaries, and a stage is idle while the others compute.
 
 What a stage computes itself is the step's ordinary compute (the cost model's ``rollout``, ``recompute``,
 ``backward``, ... of its own layers); the rest of a makespan is boundary traffic (``p2p``) and waiting (the

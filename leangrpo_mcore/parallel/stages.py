@@ -158,6 +158,36 @@ class _Handed(torch.autograd.Function):
         return ctx.link.recv_backward(), None, None
 
 
+class _SendsGradBack(torch.autograd.Function):
+    """The boundary megatron's scheduler handed this stage (a leaf); backward sends its gradient to the previous
+    stage, as :class:`_Received` does for a lock-step forward."""
+
+    @staticmethod
+    def forward(ctx, boundary: torch.Tensor, link: StageLink) -> torch.Tensor:
+        ctx.link = link
+        return boundary.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.link.send_backward(grad)
+        return None, None
+
+
+class _Tied(torch.autograd.Function):
+    """The last stage's broadcast velocity as a function of this stage's boundary tensor: backward ignores the
+    velocity's gradient (the last stage owns it) and continues with the boundary gradient from the next stage,
+    as :class:`_Handed` does for a lock-step forward."""
+
+    @staticmethod
+    def forward(ctx, boundary: torch.Tensor, link: StageLink, velocity: list) -> torch.Tensor:
+        ctx.link = link
+        return velocity[0]
+
+    @staticmethod
+    def backward(ctx, grad_velocity: torch.Tensor):
+        return ctx.link.recv_backward(), None, None
+
+
 class StagedVelocity:
     """A velocity function whose policy is one pipeline stage (``parallel.pp`` > 1): the same signature and
     the same float32 velocity on every stage (module doc).
@@ -204,26 +234,43 @@ class StagedVelocity:
         return self.link.handed(out, latents)
 
     def velocities(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]) -> list[torch.Tensor]:
-        """The no-grad velocities of several forwards (one per rollout micro-batch), pipelined: megatron's
-        forward-only schedule over the stages, so that stage s computes micro-batch i while stage s+1 computes
-        micro-batch i−1; then the last stage broadcasts every velocity. Equal to calling this function once per
-        request, bit for bit."""
+        """The velocities of several forwards (one per rollout micro-batch), pipelined: megatron's forward-only
+        schedule over the stages, so that stage s computes micro-batch i while stage s+1 computes micro-batch
+        i−1; then the last stage broadcasts every velocity. Equal to calling this function once per request, bit
+        for bit.
+
+        Under grad (Retain's trained steps) every velocity keeps its graph on every stage, as a lock-step forward's
+        does: the last stage's is the policy's output, whose received boundary sends its gradient back
+        (:class:`_SendsGradBack`); an earlier stage's is tied to its boundary tensor (:class:`_Tied`). A later
+        backward of each stage's graphs, in the same order on every stage, is then a backward pipeline: while
+        stage s backpropagates graph i, stage s+1 backpropagates graph i+1 (GPipe's backward half)."""
         if len(requests) == 1:
             return [self(*requests[0])]
         from leangrpo_mcore.parallel.pipeline import run_micro_batches
 
+        keep = torch.is_grad_enabled()
+        boundaries = []
+
         def forward_step(data_iterator, model):
             latents, sigma, conditioning = next(data_iterator)
             if not self.link.last:
-                return self.boundary(latents, sigma, conditioning), None
+                boundaries.append(self.boundary(latents, sigma, conditioning))
+                return boundaries[-1], None
             return self(latents, sigma, conditioning), None  # no loss: the scheduler keeps the velocity
 
+        hook = (lambda boundary: _SendsGradBack.apply(boundary, self.link)) if keep and not self.link.first \
+            else None
         with self.scheduled():
             out = run_micro_batches(forward_step, requests, None, phase=self.link.track, phases={},
                                     forward_only=True, dtype=self.link.dtype, pipeline=self.policy,
-                                    ctx=self.link.ctx)
-        return [self.link.broadcast_velocity(out[i] if self.link.last else None, latents)
-                for i, (latents, _, _) in enumerate(requests)]
+                                    ctx=self.link.ctx, input_hook=hook)
+        shared = [self.link.broadcast_velocity(out[i] if self.link.last else None, latents)
+                  for i, (latents, _, _) in enumerate(requests)]
+        if not keep:
+            return shared
+        if self.link.last:
+            return list(out)
+        return [_Tied.apply(boundary, self.link, [velocity]) for boundary, velocity in zip(boundaries, shared)]
 
     def reference(self) -> contextlib.AbstractContextManager:
         """The inner function's reference context (adapters disabled on every stage)."""

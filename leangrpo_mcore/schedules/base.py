@@ -236,6 +236,9 @@ class Schedule:
     name = "base"
     recompute_free = False
     """Whether selected steps train from the rollout's own forwards (no recompute)."""
+    pipelined_rollout = False
+    """Whether, with pipeline stages, the rollout's grad-enabled forwards of a group's micro-batches may run
+    together through megatron's forward-only schedule, their graphs kept (Retain)."""
     per_sample_grad = False
     """Whether the rollout runs each trained sample's grad-enabled forward alone (batch 1), handing
     :meth:`on_step` one row at a time (``StepRecord.row``)."""

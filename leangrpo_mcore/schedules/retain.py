@@ -17,8 +17,12 @@ Each kept graph is one micro-batch of megatron-core's pipeline scheduler (``get_
 :mod:`leangrpo_mcore.parallel.pipeline`), one call per group: its ``forward_step_func`` hands the scheduler the
 kept log p (the forward ran in the rollout), the loss function forms the unit loss and the scheduler runs the
 backward. A schedule of 1F1B cannot hold Retain's deferred backward (its forwards are the rollout's, long before
-the advantage exists); with pipeline stages each stage's scheduler call backpropagates its part of the kept
-graphs, the stages handing the boundary gradients back in lock-step (:mod:`leangrpo_mcore.parallel.stages`).
+the advantage exists). With pipeline stages it is GPipe-style instead: the rollout's forwards of a group's
+micro-batches, the trained ones included, go through the stages together as megatron's forward-only schedule
+with their graphs kept (:meth:`~leangrpo_mcore.parallel.stages.StagedVelocity.velocities`), and each stage's
+scheduler call backpropagates its part of the kept graphs in the same order, the boundary gradients travelling
+back over megatron's point-to-point module, so that stage s backpropagates graph i while stage s+1 works on
+graph i+1.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class RetainSchedule(Schedule):
     """Selected steps with grad in the rollout; one backward pass over the kept graphs per group."""
 
     recompute_free = True
+    pipelined_rollout = True
 
     def begin_update(self, weight: float) -> None:
         """Start an update: no graphs kept yet."""

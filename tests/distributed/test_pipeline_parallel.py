@@ -94,8 +94,13 @@ def test_pp2_equals_world_size_1(two_stages):
             # the group's 4 micro-batches; its recompute: one 1F1B call per group over 4 samples x 3 steps
             assert [c for c in calls if c[2]] == [(2, 4, True)] * 8, (family, calls)
             assert [c for c in calls if not c[2]] == [(2, 12, False)] * 2, (family, calls)
-            # Retain and Reweight roll out with gradients: lock-step, megatron's PP=1 scheduler on each stage
-            assert {c[0] for c in rank["pp_sizes"][f"{family}_retain"]} == {1}
+            # Retain: every step's forwards (trained ones too, graphs kept) one forward-only pipelined call over
+            # the group's micro-batches; its deferred backward megatron's PP=1 scheduler on each stage
+            retain = rank["pp_sizes"][f"{family}_retain"]
+            assert [c for c in retain if c[2]] == [(2, 4, True)] * 8, (family, retain)
+            assert {c[0] for c in retain if not c[2]} == {1}, (family, retain)
+            # Reweight's per-sample backward at each trained step: lock-step, no pipelined call
+            assert {c[0] for c in rank["pp_sizes"][f"{family}_reweight"]} == {1}
     for name, ref in reference.items():
         first, last = ranks[0][name], ranks[1][name]
         assert first.names and last.names and not set(first.names) & set(last.names), name

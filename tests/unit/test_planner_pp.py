@@ -207,7 +207,7 @@ def test_done_when_picks_pipeline_stages_across_slow_links(capsys):
     assert code == 0, out.err
     data = json.loads(out.out)
     chosen = data["chosen"]
-    assert chosen["pp"] > 1 and chosen["schedule"] == "native"
+    assert chosen["pp"] > 1 and chosen["schedule"] in ("native", "retain")  # the two pipelined schedules
     assert {c["pp"] for c in data["candidates"]} == {1, 2, 4, 8, 16, 32}
     assert f"PP={chosen['pp']} splits the 57 blocks" in data["reason"]
     assert "5 GB/s links between nodes" in data["reason"]
