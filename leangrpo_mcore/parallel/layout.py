@@ -29,7 +29,7 @@ from leangrpo_mcore.parallel.config_workload import (  # noqa: F401 (the config 
 )
 from leangrpo_mcore.parallel.arch_specs import boundary_elements, stage_block_counts
 from leangrpo_mcore.parallel.cost_model import Estimate, estimate
-from leangrpo_mcore.parallel.pipeline_time import boundary_seconds
+from leangrpo_mcore.parallel.pipeline_time import crossing_boundaries
 from leangrpo_mcore.parallel.workload import SCHEDULES, GiB, Hardware, Layout, Workload
 from leangrpo_mcore.parallel.placement import Placement, place
 
@@ -256,8 +256,7 @@ def pp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardware
     where = ("one stage per node" if per_node == 1 else f"one stage per {int(per_node)} nodes" if per_node > 1
              else f"{round(1 / per_node)} stages per node")
     sample = boundary_elements(work.arch, work.tokens) * work.precision.compute_bytes * (2 if work.cfg else 1)
-    links = boundary_seconds(hw, lay, 1.0)
-    across = sum(1 for seconds in links if seconds > 1.0 / (hw.intra_node_gbps * 1e9))
+    across = sum(crossing_boundaries(hw, lay))
     link = (f", {across} of the {lay.pp - 1} boundaries over the {hw.inter_node_gbps:g} GB/s links between "
             f"nodes") if across else ""
     text = (f"PP={lay.pp} splits the {work.arch.num_layers} blocks {'/'.join(map(str, counts))} over {lay.pp} "

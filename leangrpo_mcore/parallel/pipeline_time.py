@@ -26,15 +26,17 @@ from typing import Sequence
 from leangrpo_mcore.parallel.workload import Hardware, Layout
 
 
+def crossing_boundaries(hw: Hardware, layout: Layout) -> list[bool]:
+    """Whether each of the ``pp - 1`` stage boundaries joins two nodes (pp outermost: stage k is ranks
+    k x stage_ranks onwards)."""
+    return [hw.nodes > 1 and (k * layout.stage_ranks) % hw.gpus_per_node == 0 for k in range(1, layout.pp)]
+
+
 def boundary_seconds(hw: Hardware, layout: Layout, nbytes: float) -> list[float]:
-    """Seconds ``nbytes`` take across each of the ``pp - 1`` stage boundaries: over the inter-node links where
-    consecutive stages sit on different nodes (pp outermost: stage k is ranks k x stage_ranks onwards), else
-    inside a node."""
-    out = []
-    for k in range(1, layout.pp):
-        crosses = hw.nodes > 1 and (k * layout.stage_ranks) % hw.gpus_per_node == 0
-        out.append(nbytes / ((hw.inter_node_gbps if crosses else hw.intra_node_gbps) * 1e9))
-    return out
+    """Seconds ``nbytes`` take across each stage boundary: over the inter-node links where consecutive stages
+    sit on different nodes, else inside a node."""
+    return [nbytes / ((hw.inter_node_gbps if crosses else hw.intra_node_gbps) * 1e9)
+            for crosses in crossing_boundaries(hw, layout)]
 
 
 def forward_only(forward: Sequence[float], hops: Sequence[float], micro_batches: int) -> tuple[float, float]:

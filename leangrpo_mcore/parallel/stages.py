@@ -9,7 +9,7 @@ and holds the same trajectory. The hand-offs are autograd functions, so that a b
 one backpropagates the same loss: the schedules do not change) runs the pipeline's backward:
 
 - the last stage's graph starts at the received boundary; its backward sends the boundary's gradient to the
-  stage before (:class:`_Received`);
+  stage before (:class:`_SendsGradBack`);
 - an earlier stage's velocity is the output of :class:`_Handed`, whose forward sends the boundary and receives
   the velocity, and whose backward ignores the velocity's gradient (the last stage owns it) and continues with
   the boundary gradient received from the next stage.
@@ -121,27 +121,13 @@ class StageLink:
     # ------------------------------------------------------------------ autograd hand-offs
     def received(self) -> torch.Tensor:
         """The boundary tensor from the previous stage; under grad its backward sends the gradient back."""
-        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
-        return _Received.apply(anchor, self)
+        boundary = self.recv_forward().requires_grad_(torch.is_grad_enabled())
+        return _SendsGradBack.apply(boundary, self)
 
     def handed(self, boundary: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Send ``boundary`` on and return the velocity from the last stage; under grad its backward receives
         the boundary's gradient from the next stage."""
         return _Handed.apply(boundary, like, self)
-
-
-class _Received(torch.autograd.Function):
-    """Forward: receive the boundary. Backward: send its gradient to the previous stage."""
-
-    @staticmethod
-    def forward(ctx, anchor: torch.Tensor, link: StageLink) -> torch.Tensor:
-        ctx.link = link
-        return link.recv_forward()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ctx.link.send_backward(grad)
-        return torch.zeros(0, dtype=grad.dtype), None
 
 
 class _Handed(torch.autograd.Function):
@@ -159,8 +145,8 @@ class _Handed(torch.autograd.Function):
 
 
 class _SendsGradBack(torch.autograd.Function):
-    """The boundary megatron's scheduler handed this stage (a leaf); backward sends its gradient to the previous
-    stage, as :class:`_Received` does for a lock-step forward."""
+    """A boundary received from the previous stage (a leaf: received in a lock-step forward, or handed over by
+    megatron's scheduler); backward sends its gradient back to that stage."""
 
     @staticmethod
     def forward(ctx, boundary: torch.Tensor, link: StageLink) -> torch.Tensor:
