@@ -99,21 +99,40 @@ class ForwardProbe:
                 self._reference_depth -= 1
 
     def _timed_velocities(self, requests: list) -> list:
-        """The wrapped function's several no-grad forwards at once (pipeline stages), timed as one."""
+        """The wrapped function's several forwards at once (pipeline stages), timed as one."""
         link = self.inner.link
-        waited = link.waited
+        kind, waited = self._kind(), link.waited
         synchronize(self.device)
         start = time.perf_counter()
         out = self.inner.velocities(requests)
         synchronize(self.device)
-        self.tally.seconds["nograd"] += time.perf_counter() - start - (link.waited - waited)
-        self.tally.rows["nograd"] += sum(int(latents.shape[0]) for latents, _, _ in requests)
+        self.tally.seconds[kind] += time.perf_counter() - start - (link.waited - waited)
+        self.tally.rows[kind] += sum(int(latents.shape[0]) for latents, _, _ in requests)
         return out
 
+    def _timed_trained(self, requests: list, units: list[int], loss_of, around_backward, grad_sync, *, phases,
+                       forward_context) -> list:
+        """The wrapped function's forwards with immediate backwards (pipeline stages): each forward timed where the
+        schedule enters its forward context (its transfers and backward are the schedule's)."""
+
+        @contextlib.contextmanager
+        def timed(grad: bool) -> Iterator[None]:
+            kind = self._kind()
+            synchronize(self.device)
+            start = time.perf_counter()
+            with forward_context(grad):
+                yield
+            synchronize(self.device)
+            self.tally.seconds[kind] += time.perf_counter() - start
+            self.tally.rows[kind] += 1
+
+        return self.inner.trained(requests, units, loss_of, around_backward, grad_sync, phases=phases,
+                                  forward_context=timed)
+
     def __getattr__(self, name: str) -> Any:
-        if name == "velocities":  # only where the wrapped function has it (pipeline stages)
+        if name in ("velocities", "trained"):  # only where the wrapped function has them (pipeline stages)
             getattr(self.inner, name)
-            return self._timed_velocities
+            return self._timed_velocities if name == "velocities" else self._timed_trained
         return getattr(self.inner, name)
 
 

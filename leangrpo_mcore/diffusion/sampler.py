@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import ContextManager, Protocol
 
 import torch
@@ -92,6 +93,31 @@ class StepRecord:
 
 
 StepCallback = Callable[[StepRecord], None]
+
+
+@dataclass
+class TrainedRow:
+    """One trained sample of a per-sample step whose grad-enabled forward and backward run elsewhere (pipeline
+    stages: :func:`rollout_together` with ``train_rows``), with what its loss needs."""
+
+    loop: int
+    """Index of its loop in :func:`rollout_together`'s ``loops``."""
+    row: int
+    """Its row in the loop's micro-batch."""
+    latents: torch.Tensor
+    """(1, *shape) float32 x_t (detached)."""
+    sigma: torch.Tensor
+    """(1,) σ_t."""
+    conditioning: Conditioning
+    """The row's conditioning."""
+    record: Callable[[torch.Tensor], StepRecord]
+    """The row's step from a velocity that carries the forward's graph: the SDE step with the row's own seeded
+    noise, as the :class:`StepRecord` (``grad`` True, ``row`` set) the loop would hand to ``on_step``."""
+
+
+TrainRows = Callable[[list[TrainedRow]], list[torch.Tensor]]
+"""``train_rows(rows) -> [velocity, ...]``: forward and backpropagate every trained row (the schedule's business),
+returning each row's detached float32 velocity, the same on every rank that takes the step."""
 
 
 class LatentPieces(Protocol):
@@ -257,6 +283,52 @@ class RolloutLoop:
         del velocity
         self._record(out, prev, log_prob, train, grad)
 
+    def trained_rows(self, loop: int) -> list[TrainedRow]:
+        """The next step's trained rows (a per-sample step with gradients), for ``train_rows`` (``loop``: this
+        loop's index among the ones stepped together)."""
+        t, x = self.t, self.x
+        sigma, sigma_next = self.sigmas[:, t], self.sigmas[:, t + 1]
+        train = self.selected[:, t] & self.grad_steps[:, t]
+
+        def record(row: int, velocity: torch.Tensor) -> StepRecord:
+            out = _denoise_step(velocity, x[[row]], sigma[[row]], sigma_next[[row]], self.sde_steps[[row], t],
+                                self.sde, step_generators(self.noise_seeds[[row]], t), self.split)
+            return StepRecord(t=t, latents=x[[row]], next_latents=out.prev_sample.detach(), sigma=sigma[[row]],
+                              sigma_next=sigma_next[[row]], sde=out, train=train[[row]], grad=True, row=row)
+
+        return [TrainedRow(loop=loop, row=row, latents=x[[row]], sigma=sigma[[row]],
+                           conditioning=self.conditioning.select([row]), record=partial(record, row))
+                for row in train.nonzero().flatten().tolist()]
+
+    def untrained_request(self) -> tuple[torch.Tensor, torch.Tensor, Conditioning] | None:
+        """(x_t, σ_t, conditioning) of the next step's rows that do not train (None when every row trains)."""
+        rest = (~(self.selected[:, self.t] & self.grad_steps[:, self.t])).nonzero().flatten().tolist()
+        if not rest:
+            return None
+        return self.x[rest], self.sigmas[rest, self.t], self.conditioning.select(rest)
+
+    def step_per_sample_with(self, rest_velocity: torch.Tensor | None, row_velocities: dict[int, torch.Tensor]
+                             ) -> None:
+        """Take a per-sample step whose forwards ran elsewhere: ``rest_velocity`` of :meth:`untrained_request`'s
+        rows, the detached velocity of each trained row (already backpropagated: the step's record goes to
+        ``on_step`` with ``grad`` False). Each row's SDE step is the one :meth:`step` takes."""
+        t, x = self.t, self.x
+        sigma, sigma_next = self.sigmas[:, t], self.sigmas[:, t + 1]
+        train = self.selected[:, t] & self.grad_steps[:, t]
+        generators = step_generators(self.noise_seeds, t)
+        trained = train.nonzero().flatten().tolist()
+        rest = [r for r in range(x.shape[0]) if r not in trained]
+        if sorted(row_velocities) != trained or (rest_velocity is None) != (not rest):
+            raise ValueError(f"step {t} needs the velocities of rows {trained} and of the {len(rest)} others")
+        prev, log_prob = torch.empty_like(x), torch.zeros(x.shape[0], device=x.device)
+        with torch.no_grad():
+            for rows, velocity in ([(rest, rest_velocity)] if rest else []) + \
+                    [([r], row_velocities[r]) for r in trained]:
+                _, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
+                                                         self.sde_steps[rows, t], self.sde,
+                                                         [generators[r] for r in rows], self.split)
+        self._record(None, prev, log_prob, train, False)
+
     def step_with(self, velocity: torch.Tensor) -> None:
         """Take the next step with its ``velocity`` computed elsewhere (:func:`rollout_together`); a step with
         gradients needs a velocity that carries its graph, and a whole-batch forward (not ``per_sample_grad``)."""
@@ -339,15 +411,20 @@ ManyVelocities = Callable[[list[tuple[torch.Tensor, torch.Tensor, Conditioning]]
 
 
 def rollout_together(loops: list[RolloutLoop], velocity_fn: VelocityFn, velocities: ManyVelocities, *,
-                     with_grad: bool = False) -> None:
+                     with_grad: bool = False, train_rows: TrainRows | None = None) -> None:
     """Run ``loops`` to the end in lock-step: a step in which no loop needs gradients hands all their forwards to
     ``velocities`` at once (entered in each loop's no-grad forward context), and so does, with ``with_grad``, a
     step in which every loop needs them with whole-batch forwards (``velocities`` then runs under grad and
-    returns velocities that carry their graphs); any other step runs each loop's own forwards through
-    ``velocity_fn``. Every loop takes exactly the steps it takes alone."""
+    returns velocities that carry their graphs). With ``train_rows`` (per-sample loops: Reweight) a step in which
+    some loop trains hands every untrained forward to ``velocities`` and every trained row, of all the loops, to
+    ``train_rows`` at once. Any other step runs each loop's own forwards through ``velocity_fn``. Every loop
+    takes exactly the steps it takes alone."""
     while not all(loop.done for loop in loops):
         active = [loop for loop in loops if not loop.done]
         grads = {loop.grad for loop in active}
+        if train_rows is not None and True in grads:
+            _per_sample_together(loops, active, velocities, train_rows)
+            continue
         grad = grads == {True}
         together = grads == {False} or (grad and with_grad and not any(loop.per_sample_grad for loop in active))
         if not together:
@@ -359,6 +436,28 @@ def rollout_together(loops: list[RolloutLoop], velocity_fn: VelocityFn, velociti
         for loop, velocity in zip(active, out):
             loop.step_with(velocity)
         del out
+
+
+def _per_sample_together(loops: list[RolloutLoop], active: list[RolloutLoop], velocities: ManyVelocities,
+                         train_rows: TrainRows) -> None:
+    """One step of ``active`` per-sample loops: the untrained forwards through ``velocities`` (no grad), the
+    trained rows through ``train_rows``, then each loop's SDE steps."""
+    if not all(loop.per_sample_grad for loop in active if loop.grad):
+        raise RuntimeError("train_rows steps per-sample loops only")
+    requests = [(loop, loop.untrained_request() if loop.grad else loop.request()) for loop in active]
+    requests = [(loop, request) for loop, request in requests if request is not None]
+    rows = [row for loop in active if loop.grad for row in loop.trained_rows(loops.index(loop))]
+    with torch.no_grad(), active[0].forward_context(False):
+        rest = dict(zip((id(loop) for loop, _ in requests), velocities([r for _, r in requests]))) \
+            if requests else {}
+    trained = train_rows(rows)
+    for loop in active:
+        if not loop.grad:
+            loop.step_with(rest[id(loop)])
+            continue
+        index = loops.index(loop)
+        mine = {row.row: velocity for row, velocity in zip(rows, trained) if row.loop == index}
+        loop.step_per_sample_with(rest.get(id(loop)), mine)
 
 
 @dataclass(frozen=True)

@@ -450,15 +450,18 @@ class StepEngine:
         gens = list(share.generation_ids)
         batches = [gens[start:start + plan.micro_batch] for start in range(0, len(gens), plan.micro_batch)]
         many = getattr(self.velocity_fn, "velocities", None)
-        # Retain's trained steps go through the stages together too (their graphs kept); Reweight's per-sample
-        # backward at each trained step stays lock-step
+        # Retain's trained steps go through the stages together too (their graphs kept), and so do Reweight's trained
+        # rows (each forward and its immediate backward one micro-batch of a 1F1B schedule)
         keeps = schedule is not None and schedule.pipelined_rollout
-        together = many is not None and (schedule is None or not schedule.recompute_free or keeps)
+        rows = schedule is not None and schedule.trains_rows
+        together = many is not None and (schedule is None or not schedule.recompute_free or keeps or rows)
         loops = {}
-        if together:  # pipeline stages, no gradients: the micro-batches flow through the stages step after step
+        if together:  # pipeline stages: the micro-batches flow through the stages step after step
             loops = {mb: self._rollout_loop(inputs, share, mb, ids, schedule) for mb, ids in enumerate(batches)}
+            train_rows = (lambda trained: schedule.train_rows(share.prompt_slot, trained)) if rows else None
             with timer.phase("rollout"):
-                rollout_together([loop for loop, _ in loops.values()], self.velocity_fn, many, with_grad=keeps)
+                rollout_together([loop for loop, _ in loops.values()], self.velocity_fn, many, with_grad=keeps,
+                                 train_rows=train_rows)
         trajectories, rewards = [], []
         for mb, batch in enumerate(batches):
             loop, ids = loops.pop(mb) if together else self._rollout_loop(inputs, share, mb, batch, schedule)

@@ -131,7 +131,16 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
         "groups_per_rank": shape.groups_per_rank,
         # Native's 1F1B recompute at pp > 1: stage k holds the graphs of up to pp - k units (micro-batch, step)
         "in_flight": min(layout.pp - stage, shape.micro_batches // shape.groups_per_rank * work.selected_steps),
+        # Reweight's 1F1B over a denoising step's trained samples (two units each with the KL term at pp > 1):
+        # stage k holds up to pp - k one-sample graphs (one at pp = 1)
+        "in_flight_samples": min(layout.pp - stage, shape.generations_per_rank * _reweight_parts(work, layout.pp)),
     }
+
+
+def _reweight_parts(work: Workload, pp: int) -> int:
+    """Forward-backward units per trained sample and step of Reweight: two at pp > 1 with the KL term (its KL part
+    and its policy-gradient part, each with its own forward: ``schedules/reweight.py``), else one."""
+    return 2 if pp > 1 and work.kl_beta > 0 else 1
 
 
 def _fitted_lora_rank(work: Workload) -> int:
@@ -196,8 +205,10 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
         phases["provisional_gradients"] = {
             **base, "grads": earlier, "trajectories": trajectories,
             "provisional_grads": m["gradient_buffer"] * m["buffers"],
-            # each trained sample's forward runs alone and is backpropagated at once: one sample's graph
-            "activations": m["activations_sample_step"], "backward_transient": m["backward_transient"]}
+            # each trained sample's forward runs alone and is backpropagated at once: one sample's graph (pp - k of
+            # them on stage k of a 1F1B schedule)
+            "activations": m["activations_sample_step"] * m["in_flight_samples"],
+            "backward_transient": m["backward_transient"]}
     phases["reward"] = _reward_phase(m, base, schedule, graphs, trajectories, unsharded)
     return phases
 
@@ -286,11 +297,13 @@ def _sync_count(work: Workload, shape: Shape, schedule: str) -> float:
 COMPUTE_TERMS = ("rollout", "recompute", "reference_forward", "backward", "tp_all_reduce", "cp_all_to_all")
 
 
-def _passes(work: Workload, schedule: str) -> tuple[int, int]:
-    """(forwards, backwards) of one sample per step under ``schedule``."""
+def _passes(work: Workload, schedule: str, pp: int = 1) -> tuple[int, int]:
+    """(forwards, backwards) of one sample per step under ``schedule``; Reweight's KL part is a second backward,
+    at ``pp`` > 1 after a forward of its own."""
     steps, extra, kl = work.selected_steps, work.updates_per_rollout - 1, work.kl_beta > 0
-    forwards = work.num_steps + steps * ((1 if schedule == "native" else 0) + extra + (1 if kl else 0))
-    backwards = steps * (1 + extra + (1 if kl and schedule == "reweight" else 0))  # Reweight: 2nd KL backward
+    again = _reweight_parts(work, pp) - 1 if schedule == "reweight" else 0
+    forwards = work.num_steps + steps * ((1 if schedule == "native" else 0) + extra + (1 if kl else 0) + again)
+    backwards = steps * (1 + extra + (1 if kl and schedule == "reweight" else 0))
     return forwards, backwards
 
 
@@ -321,21 +334,18 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     the other (``schedules/native.py``), and each update's recompute is one 1F1B schedule over the
     (micro-batch, selected step) units. Retain: the rollout's steps as Native's (the trained ones keep their
     graphs), its deferred backward a backward pipeline over the kept graphs (the forward-only makespan with the
-    backward's seconds), later updates 1F1B. Reweight: lock-step.
+    backward's seconds), later updates 1F1B. Reweight: an untrained step as Native's; a trained step one 1F1B
+    schedule over the group's samples on the rank, each forward alone and backpropagated at once (with the KL
+    term two units per sample, after a forward-only schedule of the reference forwards); later updates 1F1B.
     """
     shape = sample_shape(work, layout)
     rates = [_rates(work, hw, layout, ac, arch) for arch in stages]
     b, cfg = shape.micro_batch, (2 if work.cfg else 1)
     groups, per_group = shape.groups_per_rank, shape.micro_batches // shape.groups_per_rank
-    hops = pt.boundary_seconds(hw, layout, b * cfg * boundary_elements(work.arch, work.tokens)
-                               * work.precision.compute_bytes)
+    sample_bytes = cfg * boundary_elements(work.arch, work.tokens) * work.precision.compute_bytes
+    hops = pt.boundary_seconds(hw, layout, b * sample_bytes)
     # the float32 velocity the last stage broadcasts to the others after each micro-batch's forward
     velocity = max(pt.boundary_seconds(hw, layout, b * cfg * 4 * work.arch.latent_elements(work.tokens)))
-    forwards, backwards = _passes(work, schedule)
-    if schedule == "reweight":
-        passes = shape.micro_batches * (forwards + backwards)
-        p2p = passes * sum(hops) + shape.micro_batches * forwards * velocity
-        return sum(compute) + p2p, p2p
     fwd = [b * (r.forward + r.tp_per_pass) for r in rates]
     bwd = [b * (r.backward + r.tp_per_pass) for r in rates]
     units = per_group * work.selected_steps
@@ -344,12 +354,32 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
         else (0.0, 0.0)
     train = pt.one_f_one_b(fwd, bwd, hops, units)
     updates = work.updates_per_rollout
+    later = ((updates - 1) * train[0], (updates - 1) * train[1])
+    if schedule == "reweight":
+        trained = _reweight_trained_step(work, rates, pt.boundary_seconds(hw, layout, sample_bytes),
+                                         velocity / b, per_group * b, layout.pp)
+        untrained = work.num_steps - work.selected_steps
+        span = groups * (untrained * (roll[0] + per_group * velocity) + work.selected_steps * trained[0] + later[0])
+        p2p = groups * (untrained * (roll[1] + per_group * velocity) + work.selected_steps * trained[1] + later[1])
+        return span, p2p
     first = pt.forward_only(bwd, hops, units) if schedule == "retain" else train
-    span = groups * (work.num_steps * (roll[0] + per_group * velocity) + ref[0] + first[0]
-                     + (updates - 1) * train[0])
-    p2p = groups * (work.num_steps * (roll[1] + per_group * velocity) + ref[1] + first[1]
-                    + (updates - 1) * train[1])
+    span = groups * (work.num_steps * (roll[0] + per_group * velocity) + ref[0] + first[0] + later[0])
+    p2p = groups * (work.num_steps * (roll[1] + per_group * velocity) + ref[1] + first[1] + later[1])
     return span, p2p
+
+
+def _reweight_trained_step(work: Workload, rates: list[_Rates], hops: list[float], velocity: float, samples: int,
+                           pp: int) -> tuple[float, float]:
+    """(makespan, boundary seconds) of one trained denoising step of a group under Reweight at ``pp`` > 1: its
+    ``samples`` forwards of one sample, each backpropagated at once, as one 1F1B schedule (two units a sample with
+    the KL term, after a forward-only schedule of the reference forwards), each velocity broadcast after."""
+    fwd = [r.forward + r.tp_per_pass for r in rates]
+    bwd = [r.backward + r.tp_per_pass for r in rates]
+    span, p2p = pt.one_f_one_b(fwd, bwd, hops, samples * _reweight_parts(work, pp))
+    if work.kl_beta > 0:
+        ref = pt.forward_only(fwd, hops, samples)
+        span, p2p = span + ref[0] + samples * velocity, p2p + ref[1] + samples * velocity
+    return span + samples * velocity, p2p + samples * velocity
 
 
 def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool,
@@ -361,7 +391,7 @@ def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac:
     kl = work.kl_beta > 0
     trainable = params_per_rank(arch, layout.tp) if work.full_finetune else lora_params_per_rank(
         arch, work.lora_rank, work.lora_targets, layout.tp)
-    forwards, backwards = _passes(work, schedule)
+    forwards, backwards = _passes(work, schedule, layout.pp)
     # Reweight runs each trained sample's forward and backward alone (batch 1) whatever the micro-batch B: B
     # per-sample forwards and backwards, the work charged per sample below (no B backwards of a batched graph).
     params = params_per_rank(arch, layout.tp) * work.precision.compute_bytes
@@ -369,7 +399,7 @@ def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac:
     gather = (shards - 1) / shards * params / (hw.intra_node_gbps * 1e9)
     gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
     if schedule == "reweight" and work.reshard_after_forward:  # the per-sample passes gather once per sample
-        alone = steps * (2 if kl else 1)
+        alone = forwards - work.num_steps + steps
         gathers = mb * (forwards - alone) + n * (alone + backwards)
     grad_bytes = trainable * work.precision.buffer_bytes
     # Unsharded accumulation reads and writes the buffer once per backward; Reweight also scales and sums
@@ -381,7 +411,9 @@ def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac:
     optimizer_bytes = trainable / shards * (4 * work.precision.storage_bytes + work.precision.grad_bytes)
     return {
         "rollout": n * work.num_steps * rates.forward,
-        "recompute": n * steps * rates.forward * ((1 if schedule == "native" else 0) + extra),
+        # (Reweight's KL part at pp > 1 runs a forward of its own: ``_passes``)
+        "recompute": n * steps * rates.forward * ((1 if schedule == "native" else 0) + extra + (
+            _reweight_parts(work, layout.pp) - 1 if schedule == "reweight" else 0)),
         "reference_forward": n * steps * rates.forward if kl else 0.0,
         "backward": n * backwards * rates.backward,
         "fsdp_all_gather": gathers * gather,

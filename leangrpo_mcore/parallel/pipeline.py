@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from megatron.core.enums import ModelType
@@ -87,12 +87,20 @@ class _GroupSize:
         return self._size
 
 
-class _PhaseTimers:
-    """megatron's ``timers(name, log_level)`` interface over the project's ``phase`` hook."""
+BackwardHook = Callable[[int], ContextManager]
+"""``around_backward(i)``: a context entered around the backward of the scheduler's i-th micro-batch on this rank."""
 
-    def __init__(self, phase: PhaseFn, names: dict[str, str]) -> None:
-        self.phase, self.names = phase, names
+
+class _PhaseTimers:
+    """megatron's ``timers(name, log_level)`` interface over the project's ``phase`` hook, and the one place a
+    micro-batch's backward can be bracketed: megatron's ``backward_step`` starts ``backward-compute`` before it
+    backpropagates and stops it after, one micro-batch at a time in micro-batch order on every stage (1F1B pops
+    its outputs first in, first out), so ``around_backward`` is entered there with the micro-batch's index."""
+
+    def __init__(self, phase: PhaseFn, names: dict[str, str], around_backward: Optional[BackwardHook] = None) -> None:
+        self.phase, self.names, self.around_backward = phase, names, around_backward
         self._open: dict[str, contextlib.ExitStack] = {}
+        self._backwards = 0
 
     def __call__(self, name: str, log_level: Optional[int] = None) -> "_PhaseTimers._Timer":
         return _PhaseTimers._Timer(self, name)
@@ -102,11 +110,17 @@ class _PhaseTimers:
             self.owner, self.name = owner, name
 
         def start(self, barrier: bool = False) -> None:
-            phase = self.owner.names.get(self.name)
+            owner, phase = self.owner, self.owner.names.get(self.name)
+            hook = owner.around_backward if self.name == "backward-compute" else None
+            if phase is None and hook is None:
+                return
+            stack = contextlib.ExitStack()
             if phase is not None:
-                stack = contextlib.ExitStack()
-                stack.enter_context(self.owner.phase(phase))
-                self.owner._open[self.name] = stack
+                stack.enter_context(owner.phase(phase))
+            if hook is not None:
+                stack.enter_context(hook(owner._backwards))
+                owner._backwards += 1
+            owner._open[self.name] = stack
 
         def stop(self, barrier: bool = False) -> None:
             stack = self.owner._open.pop(self.name, None)
@@ -115,13 +129,15 @@ class _PhaseTimers:
 
 
 def schedule_config(grad_sync: Optional[GradSync], phase: PhaseFn, phases: dict[str, str],
-                    dtype: torch.dtype = torch.float32) -> ScheduleConfig:
-    """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` as timers."""
+                    dtype: torch.dtype = torch.float32,
+                    around_backward: Optional[BackwardHook] = None) -> ScheduleConfig:
+    """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` (and
+    ``around_backward``) as timers."""
     return ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, deallocate_pipeline_outputs=False,
                           no_sync_func=grad_sync.backward_mode if grad_sync is not None else None,
                           grad_sync_func=None,
                           finalize_model_grads_func=None, grad_scale_func=None,
-                          timers=_PhaseTimers(phase, phases), barrier_with_L1_time=False)
+                          timers=_PhaseTimers(phase, phases, around_backward), barrier_with_L1_time=False)
 
 
 def _process_groups(cp_size: int, pp_group=None) -> ProcessGroupCollection:
@@ -192,8 +208,8 @@ waits for the other stages)."""
 def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequence, grad_sync: Optional[GradSync],
                       *, phase: PhaseFn, phases: dict[str, str], forward_only: bool = False,
                       dtype: torch.dtype = torch.float32, pipeline: Optional[torch.nn.Module] = None,
-                      ctx=None, input_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                      ) -> Optional[list]:
+                      ctx=None, input_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                      around_backward: Optional[BackwardHook] = None) -> Optional[list]:
     """Run ``micro_batches`` (any objects ``forward_step_func`` draws from its iterator) through megatron's
     ``get_forward_backward_func()``; returns the scheduler's per-micro-batch ``reduced`` (the last stage's).
 
@@ -203,7 +219,9 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     tensor on a stage other than the last, the boundaries and their gradients travel in ``dtype``, and the
     transfers are timed as the ``bubble`` phase. A ``forward_only`` call may go without ``grad_sync`` (then ``ctx``
     is the parallel context): nothing is backpropagated, so nothing is synchronised. ``input_hook`` maps each
-    boundary the scheduler hands a stage before the policy sees it."""
+    boundary the scheduler hands a stage before the policy sees it. ``around_backward(i)`` is entered around the
+    backward of micro-batch i on this rank (:class:`_PhaseTimers`): where its gradient accumulates is the
+    caller's choice."""
     if not micro_batches:
         return []
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -215,7 +233,7 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     pp = int(ctx.layout.pp) if pipeline is not None else 1
     if pp > 1:
         phases = {**phases, **{name: "bubble" for name in P2P_TIMERS}}
-    config = schedule_config(grad_sync, phase, phases, dtype)
+    config = schedule_config(grad_sync, phase, phases, dtype, around_backward)
     sync = grad_sync.backward_mode() if grad_sync is not None else contextlib.nullcontext()
     forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
     stage = _Stage(config, pipeline, input_hook)

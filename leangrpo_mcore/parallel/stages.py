@@ -16,10 +16,14 @@ one backpropagates the same loss: the schedules do not change) runs the pipeline
 
 Point-to-point transfers go through megatron-core's ``P2PCommunicator`` (``send_forward`` / ``recv_forward`` /
 ``send_backward`` / ``recv_backward``, shapes exchanged first); the velocity broadcast is one collective of the
-pipeline group. Lock-step means no pipelining across samples: while one stage computes, the others wait in a
-receive, and that wait is the ``bubble`` phase of the step's breakdown ((pp − 1)/pp of the policy time per
-stage). What each stage holds is its own: its blocks' parameters, gradients, optimizer state, graphs (Retain)
-and provisional gradients (Reweight), all synchronised over the stage's own data-parallel ranks.
+pipeline group. A lock-step forward does not pipeline across samples: while one stage computes, the others
+wait in a receive, and that wait is the ``bubble`` phase of the step's breakdown ((pp − 1)/pp of its time per
+stage). The step's bulk therefore goes through megatron's pipelined schedules instead, several forwards at once:
+:meth:`StagedVelocity.velocities` (forward-only, graphs kept under grad) and :meth:`StagedVelocity.trained`
+(1F1B, each forward backpropagated at once); what stays lock-step is a single forward (the KL reference
+forwards of Native and Retain). What each stage holds is its own: its blocks' parameters, gradients, optimizer
+state, graphs (Retain) and provisional gradients (Reweight), all synchronised over the stage's own data-parallel
+ranks.
 """
 
 from __future__ import annotations
@@ -128,6 +132,13 @@ class StageLink:
         """Send ``boundary`` on and return the velocity from the last stage; under grad its backward receives
         the boundary's gradient from the next stage."""
         return _Handed.apply(boundary, like, self)
+
+
+def _loss_triple(loss: torch.Tensor):
+    """megatron's ``(loss, num_tokens, reduced)`` of a loss backpropagated as it is (see ``parallel/pipeline.py``)."""
+    from leangrpo_mcore.parallel.pipeline import token_count
+
+    return loss, token_count(), {"loss": loss.detach()}
 
 
 class _Handed(torch.autograd.Function):
@@ -257,6 +268,39 @@ class StagedVelocity:
         if self.link.last:
             return list(out)
         return [_Tied.apply(boundary, self.link, [velocity]) for boundary, velocity in zip(boundaries, shared)]
+
+    def trained(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]], units: list[int],
+                loss_of: Callable[[int, torch.Tensor], torch.Tensor], around_backward: Callable[[int], ContextManager],
+                grad_sync, *, phases: dict[str, str], forward_context: Callable[[bool], ContextManager]
+                ) -> list[torch.Tensor]:
+        """Grad-enabled forwards, each backpropagated at once, as megatron's 1F1B schedule over the stages: stage s
+        runs micro-batch k's backward while stage s+1 runs micro-batch k+1's forward. Micro-batch k is a forward of
+        ``requests[units[k]]`` (a request may be trained more than once, each time with a forward of its own);
+        returns each request's float32 velocity, detached, on every stage.
+
+        On the last stage ``loss_of(k, velocity)`` forms micro-batch k's loss from its velocity (the scheduler
+        backpropagates it); ``around_backward(k)`` is entered around micro-batch k's backward on every stage (where
+        its gradient accumulates); ``grad_sync`` holds the reductions off or not (its mode), ``phases`` maps
+        megatron's compute timers to the step's phases (its transfers and waits are the :data:`BUBBLE`), and
+        ``forward_context(True)`` is entered around each forward."""
+        from leangrpo_mcore.parallel.pipeline import run_micro_batches
+
+        outputs: dict[int, torch.Tensor] = {}
+
+        def forward_step(data_iterator, model):
+            k, index = next(data_iterator)
+            with torch.enable_grad(), forward_context(True):
+                if not self.link.last:
+                    return self.boundary(*requests[index]), None
+                velocity = self(*requests[index])
+            outputs[index] = velocity.detach()
+            return velocity, lambda output: _loss_triple(loss_of(k, output))
+
+        with self.scheduled():
+            run_micro_batches(forward_step, list(enumerate(units)), grad_sync, phase=self.link.track,
+                              phases=phases, dtype=self.link.dtype, pipeline=self.policy,
+                              around_backward=around_backward)
+        return [self.link.broadcast_velocity(outputs.get(i), latents) for i, (latents, _, _) in enumerate(requests)]
 
     def reference(self) -> contextlib.AbstractContextManager:
         """The inner function's reference context (adapters disabled on every stage)."""

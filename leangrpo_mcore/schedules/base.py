@@ -32,7 +32,7 @@ from typing import Callable, ContextManager, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from leangrpo_mcore.diffusion.sampler import SDEParams, StepRecord
+from leangrpo_mcore.diffusion.sampler import SDEParams, StepRecord, TrainedRow
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.diffusion.velocity import VelocityFn
 from leangrpo_mcore.parallel.grad_sync import GradSync
@@ -230,6 +230,11 @@ def kl_unit_loss(kl: torch.Tensor, train: torch.Tensor, weight: float, objective
     return torch.where(train, per_sample, torch.zeros_like(per_sample)).sum() * weight
 
 
+def pipelined(velocity_fn):
+    """The velocity function's pipeline stages (:class:`~leangrpo_mcore.parallel.stages.StagedVelocity`), or None."""
+    return velocity_fn if hasattr(velocity_fn, "scheduled") else None
+
+
 class Schedule:
     """Base strategy: no-op hooks; subclasses implement the schedule-specific ones."""
 
@@ -242,6 +247,9 @@ class Schedule:
     per_sample_grad = False
     """Whether the rollout runs each trained sample's grad-enabled forward alone (batch 1), handing
     :meth:`on_step` one row at a time (``StepRecord.row``)."""
+    trains_rows = False
+    """Whether, with pipeline stages, the trained rows of a denoising step of a group's micro-batches go to
+    :meth:`train_rows` together (their forwards and immediate backwards pipelined: Reweight)."""
 
     def __init__(self, context: ScheduleContext) -> None:
         self.ctx = context
@@ -260,6 +268,11 @@ class Schedule:
     def on_step(self, key: UnitKey, conditioning: Conditioning) -> Optional[Callable[[StepRecord], None]]:
         """The sampler callback of micro-batch ``key`` (None: nothing to do during rollout)."""
         return None
+
+    def train_rows(self, group: int, rows: list[TrainedRow]) -> list[torch.Tensor]:
+        """Forward and backpropagate the trained rows of one denoising step of group ``group`` (``row.loop`` is the
+        micro-batch), returning their detached velocities (:attr:`trains_rows` schedules only)."""
+        raise NotImplementedError(f"schedule {self.name!r} does not train rows during the rollout")
 
     def on_rewards(self, key: UnitKey, rewards: torch.Tensor) -> None:
         """Local rewards of micro-batch ``key`` are known (right after its rollout)."""

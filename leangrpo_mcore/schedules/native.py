@@ -28,11 +28,7 @@ import torch
 
 from leangrpo_mcore.diffusion.trajectory import Trajectory
 from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
-from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, kl_value, register_schedule, unit_loss
-
-def pipelined(velocity_fn):
-    """The velocity function's pipeline stages (:class:`~leangrpo_mcore.parallel.stages.StagedVelocity`), or None."""
-    return velocity_fn if hasattr(velocity_fn, "scheduled") else None
+from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, kl_value, pipelined, register_schedule, unit_loss
 
 
 PHASES = {"forward-compute": "recompute", "backward-compute": "backward"}

@@ -24,6 +24,14 @@ Options and exactness (never approximate silently):
   ``no_sync_func`` (the coalesced mode: the provisional gradient stays in the local slot) and moved out right after
   the call; the correction and the one reduction per group run after the scheduler, in ``on_advantages``. A
   backward that must keep its graph for a second one (the KL part) is a plain autograd call.
+- pipeline stages (``parallel.pp`` > 1): the trained samples of a denoising step of the group's micro-batches go to
+  :meth:`ReweightSchedule.train_rows` together, one megatron 1F1B call whose micro-batches are the samples'
+  forwards (of one sample each) with their immediate backwards; the scheduler's backward bracket installs each
+  sample's provisional gradient in the local slot before its backward and moves it out after, on every stage
+  (each holds its blocks' part). The KL part cannot be a second backward of a 1F1B micro-batch, so with β > 0 a
+  sample is two micro-batches, each with its forward: the KL part into the group's accumulator, then the
+  policy-gradient part (one extra forward per trained sample and step). Rewards, advantages, correction and
+  reduction are those above, on every stage.
 - global std: A_i = (r_i − mean_g)/(std_global + eps). When the clamp provably cannot fire, each group's
   Σ (r_i − mean_g)·P_i is folded as soon as the group's rewards are gathered and the sum is multiplied by
   α = 1/(std_global + eps) once at the end of the update. Otherwise the per-sample buffers are kept until
@@ -32,13 +40,14 @@ Options and exactness (never approximate silently):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
 
-from leangrpo_mcore.diffusion.sampler import StepRecord
+from leangrpo_mcore.diffusion.sampler import StepRecord, TrainedRow
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.parallel.grad_sync import LocalGrads, grads_add_
 from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
@@ -50,6 +59,8 @@ from leangrpo_mcore.schedules.base import (
     UnitKey,
     UpdateStats,
     kl_unit_loss,
+    kl_value,
+    pipelined,
     register_schedule,
     unit_loss,
 )
@@ -134,6 +145,7 @@ class ReweightSchedule(Schedule):
     # would cost B backwards of the whole micro-batch, so each trained sample runs a forward of batch 1
     # (docs/algorithms.md §6, Reweight).
     per_sample_grad = True
+    trains_rows = True
 
     def __init__(self, context: ScheduleContext, *, plan: ReweightPlan = ReweightPlan("per_sample", False)) -> None:
         super().__init__(context)
@@ -151,24 +163,32 @@ class ReweightSchedule(Schedule):
         self._alpha: Optional[float] = None
 
     # ------------------------------------------------------------------ rollout: immediate backward
-    def _backward_into(self, target: Optional[LocalGrads], loss: torch.Tensor, retain_graph: bool) -> LocalGrads:
-        """Backpropagate ``loss`` into ``target`` (or an empty slot) and move the result out. The last backward of
-        a graph is a megatron micro-batch; one whose graph is backpropagated again (the KL part, another row of a
-        batched graph) keeps it, which megatron's backward cannot, and runs as a plain autograd call."""
+    @contextlib.contextmanager
+    def _accumulating(self, store: dict, key) -> Iterator[None]:
+        """Backwards inside accumulate into ``store[key]`` (an empty slot when it has none yet), which then holds
+        the result, moved out of the slot."""
         sync = self.ctx.grad_sync
-        if target is not None:
-            sync.put_local(self._to_slot(target))
-        if retain_graph:
-            with self.ctx.phase("backward"):
-                sync.backward_local(loss, retain_graph=True)
-        else:
-            run_micro_batches(_formed, [loss], sync, phase=self.ctx.phase, phases=PHASES)
+        if store.get(key) is not None:
+            sync.put_local(self._to_slot(store[key]))
+        yield
         grads = sync.take_local()
         self._slot_dtypes = [None if g is None else g.dtype for g in grads]
-        if self.plan.provisional_dtype is None:
-            return grads
-        dtype = torch_dtype(self.plan.provisional_dtype)
-        return [None if g is None else g.to(dtype) for g in grads]
+        if self.plan.provisional_dtype is not None:
+            dtype = torch_dtype(self.plan.provisional_dtype)
+            grads = [None if g is None else g.to(dtype) for g in grads]
+        store[key] = grads
+
+    def _backward_into(self, store: dict, key, loss: torch.Tensor, retain_graph: bool) -> None:
+        """Backpropagate ``loss`` into ``store[key]`` (:meth:`_accumulating`). The last backward of a graph is a
+        megatron micro-batch; one whose graph is backpropagated again (the KL part, another row of a batched graph)
+        keeps it, which megatron's backward cannot, and runs as a plain autograd call."""
+        sync = self.ctx.grad_sync
+        with self._accumulating(store, key):
+            if retain_graph:
+                with self.ctx.phase("backward"):
+                    sync.backward_local(loss, retain_graph=True)
+            else:
+                run_micro_batches(_formed, [loss], sync, phase=self.ctx.phase, phases=PHASES)
 
     def _to_slot(self, grads: LocalGrads) -> LocalGrads:
         """``grads`` in the dtypes the gradient slot holds (undoing the provisional dtype)."""
@@ -205,23 +225,68 @@ class ReweightSchedule(Schedule):
             kl = self.step_kl(record.sde.mean, record.sde.std, record.latents, record.next_latents,
                               record.sigma, record.sigma_next, cond)
             if kl is not None:
-                kl_part = kl_unit_loss(kl, train, self.weight, objective)
                 group = self._kl_group(key[0])
-                self._kl[group] = self._backward_into(self._kl.get(group), kl_part, True)
-                self._kl_losses.setdefault(group, []).append(kl_part.detach())
+                self._backward_into(self._kl, group, self._kl_part(group, kl, train), True)
             rows = train.nonzero().flatten().tolist()
-            ones = torch.ones_like(log_prob.detach())
             for n, row in enumerate(rows):
                 only = torch.zeros_like(train)
                 only[row] = True
-                loss, ratio = unit_loss(log_prob, log_prob.detach(), ones, only, self.weight, objective)
                 sample = (*key, row if record.row is None else record.row)
-                self._partial[sample] = self._backward_into(self._partial.get(sample), loss, n < len(rows) - 1)
-                self._unit_loss[sample] = self._unit_loss.get(sample, 0.0) + loss.detach()
-                self.stats.add(ratio)
+                self._backward_into(self._partial, sample, self._provisional(sample, log_prob, only), n < len(rows) - 1)
             self._track_buffers()
 
         return backward_now
+
+    def _kl_part(self, group: int, kl: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
+        """The KL part of a step's loss, recorded for the group's loss (backpropagated unscaled)."""
+        part = kl_unit_loss(kl, train, self.weight, self.ctx.objective)
+        self._kl_losses.setdefault(group, []).append(part.detach())
+        return part
+
+    def _provisional(self, sample: tuple[int, int, int], log_prob: torch.Tensor, only: torch.Tensor) -> torch.Tensor:
+        """The unit-advantage loss of ``sample`` (its row ``only`` of a step), recorded for the group's loss."""
+        loss, ratio = unit_loss(log_prob, log_prob.detach(), torch.ones_like(log_prob.detach()), only, self.weight,
+                                self.ctx.objective)
+        self._unit_loss[sample] = self._unit_loss.get(sample, 0.0) + loss.detach()
+        self.stats.add(ratio)
+        return loss
+
+    def train_rows(self, group: int, rows: list[TrainedRow]) -> list[torch.Tensor]:
+        """Pipeline stages: the trained rows of a denoising step of the group's micro-batches, each forward and its
+        immediate backward one micro-batch of megatron's 1F1B schedule (module doc); each row's gradient goes to
+        its sample's provisional gradient on every stage. With the KL term each row is two micro-batches, each
+        with its forward: the KL part into the group's accumulator, then the policy-gradient part (a 1F1B
+        micro-batch has one backward, and the two parts must not be summed), the reference forwards, no grad,
+        pipelined before them."""
+        staged, sde, objective = pipelined(self.ctx.velocity_fn), self.ctx.sde, self.ctx.objective
+        requests = [(row.latents, row.sigma, row.conditioning) for row in rows]
+        kl_group = self._kl_group(group)
+        reference: list[torch.Tensor] = []
+        if objective.kl_beta > 0:
+            with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
+                reference = staged.velocities(requests)
+        parts = [(i, part) for i in range(len(rows)) for part in (("kl", "pg") if reference else ("pg",))]
+
+        def loss_of(k: int, velocity: torch.Tensor) -> torch.Tensor:
+            i, part = parts[k]
+            record = rows[i].record(velocity)
+            if part == "pg":
+                return self._provisional((group, rows[i].loop, rows[i].row), record.sde.log_prob, record.train)
+            ref_mean = sde.step(reference[i], record.latents, record.sigma, record.sigma_next,
+                                prev_sample=record.next_latents).mean
+            kl = kl_value(sde, objective, record.sde.mean, ref_mean, record.sde.std, record.sigma, record.sigma_next)
+            return self._kl_part(kl_group, kl, record.train)
+
+        def around_backward(k: int):
+            i, part = parts[k]
+            if part == "kl":
+                return self._accumulating(self._kl, kl_group)
+            return self._accumulating(self._partial, (group, rows[i].loop, rows[i].row))
+
+        velocities = staged.trained(requests, [i for i, _ in parts], loss_of, around_backward, self.ctx.grad_sync,
+                                    phases=PHASES, forward_context=self.ctx.precision)
+        self._track_buffers()
+        return velocities
 
     def _kl_group(self, index: int) -> int:
         """Key of the KL accumulator of group ``index``: its own, or the step's one with global std."""

@@ -3,7 +3,8 @@ equals the same step at world size 1, and a checkpoint written at pp=2 continues
 
 - pp=2 on 2 ranks (one sample's two stages): FLUX full fine-tune, and Wan with LoRA, a KL term, CFG and
   global-std advantages; Native's no-grad rollout flows through the stages as megatron's forward-only schedule and
-  its recompute as megatron's 1F1B schedule. Each stage's gradients are exactly its parameters' gradients of the world-size-1 step
+  its recompute as megatron's 1F1B schedule, Retain's rollout forward-only with its graphs kept, and Reweight's
+  trained samples of each denoising step as one 1F1B schedule of their forwards and immediate backwards. Each stage's gradients are exactly its parameters' gradients of the world-size-1 step
   (the tests allow 1e-5 relative), the stages partition the trainable parameters, and both stages hold the
   rollout of the single-process run bit for bit, with its rewards, loss and global gradient norm.
 - pp=2 x dp_shard=2 on 4 ranks: the same FLUX step with FSDP2 inside each stage (1e-5 relative: the
@@ -99,8 +100,14 @@ def test_pp2_equals_world_size_1(two_stages):
             retain = rank["pp_sizes"][f"{family}_retain"]
             assert [c for c in retain if c[2]] == [(2, 4, True)] * 8, (family, retain)
             assert {c[0] for c in retain if not c[2]} == {1}, (family, retain)
-            # Reweight's per-sample backward at each trained step: lock-step, no pipelined call
-            assert {c[0] for c in rank["pp_sizes"][f"{family}_reweight"]} == {1}
+            # Reweight: at each of the 3 trained steps the group's 4 trained samples are one 1F1B call, each
+            # sample's forward and immediate backward a micro-batch (with the KL term two: its KL part, then its
+            # policy-gradient part, after a forward-only call of the reference forwards); the untrained step is a
+            # forward-only call; nothing runs lock-step or on the PP=1 scheduler
+            reweight = rank["pp_sizes"][f"{family}_reweight"]
+            units = 8 if family == "wan" else 4
+            assert [c for c in reweight if not c[2]] == [(2, units, False)] * 6, (family, reweight)
+            assert [c for c in reweight if c[2]] == [(2, 4, True)] * (8 if family == "wan" else 2), (family, reweight)
     for name, ref in reference.items():
         first, last = ranks[0][name], ranks[1][name]
         assert first.names and last.names and not set(first.names) & set(last.names), name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leangrpo_mcore.diffusion.sampler import SDEParams, draw_rollout_inputs, rollout
+from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, draw_rollout_inputs, rollout, rollout_together
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import FluxVelocity, WanVelocity, flux_image_ids, pack_flux_latents, unpack_flux_latents
@@ -87,6 +87,58 @@ def test_per_sample_grad_runs_each_trained_row_alone_and_keeps_the_trajectory():
     mask[1] = False
     _roll(counted, draws, gens, grad_steps=mask, per_sample_grad=True)
     assert calls[:3] == [(1, False), (1, True), (1, True)]
+
+
+def test_trained_rows_of_loops_stepped_together_go_to_train_rows_at_once():
+    """``rollout_together`` with ``train_rows`` (Reweight at pipeline stages): every trained row of a step, of all
+    the loops, in one call, whose records are the ones the loop would hand over; every loop ends on its own
+    trajectory (DanceGRPO selection: the loops train different steps)."""
+    model, sigmas = RowWise(), get_sigmas("sd3", 4)
+    sde = SDEParams.from_sigmas("flow_grpo", 0.7, sigmas)
+    batches = [[0, 1], [2], [3, 4]]
+    draws = {tuple(g): _inputs(g, method="dance_grpo", fraction=0.5) for g in batches}
+
+    def loop(gens, on_step=None):
+        d = draws[tuple(gens)]
+        return RolloutLoop(d.init_latents, sigmas, Conditioning(encoder_hidden_states=torch.zeros(len(gens), 1, 1)),
+                           sde=sde, selected=d.selected, sde_steps=d.sde_steps, noise_seeds=d.noise_seeds,
+                           prompt_ids=torch.zeros(len(gens)), generation_ids=torch.tensor(gens),
+                           grad_steps=d.selected, on_step=on_step, per_sample_grad=True)
+
+    alone = {}
+    for gens in batches:
+        records = []
+        single = loop(gens, records.append)
+        while not single.done:
+            single.step(model)
+        alone[tuple(gens)] = (single.trajectory(), [r for r in records if r.grad])
+    calls, handed = [], []
+
+    def train_rows(rows):
+        calls.append([(row.loop, row.row) for row in rows])
+        out = []
+        for row in rows:
+            with torch.enable_grad():
+                record = row.record(model(row.latents, row.sigma, row.conditioning))
+            handed.append((row.loop, record))
+            out.append(model(row.latents, row.sigma, row.conditioning).detach())
+        return out
+
+    loops = [loop(gens) for gens in batches]
+    rollout_together(loops, model, lambda requests: [model(*r) for r in requests], train_rows=train_rows)
+    expected = [sorted((i, r) for i, g in enumerate(batches) for r in range(len(g))
+                       if bool(draws[tuple(g)].selected[r, t])) for t in range(4)]
+    assert calls == [rows for rows in expected if rows] and sum(map(len, calls)) == 5  # one trained step each
+    assert len(calls) > 1  # the loops train different steps
+    for i, gens in enumerate(batches):
+        traj, records = alone[tuple(gens)]
+        mine = loops[i].trajectory()
+        assert torch.equal(mine.next_latents, traj.next_latents) and torch.equal(mine.log_probs, traj.log_probs)
+        ours = [record for index, record in handed if index == i]
+        assert [(r.t, r.row) for r in ours] == [(r.t, r.row) for r in records]
+        for a, b in zip(ours, records):
+            assert a.sde.log_prob.requires_grad and torch.equal(a.sde.log_prob, b.sde.log_prob)
+            assert torch.equal(a.next_latents, b.next_latents) and torch.equal(a.sde.mean, b.sde.mean)
 
 
 def test_micro_batches_draw_the_same_trajectories():
