@@ -83,6 +83,10 @@ def _stage_grads(reference, outcome) -> tuple[list[np.ndarray], list[np.ndarray]
 def two_stages():
     cases = {f"{family}_{schedule}": case.but(schedule=schedule, pp=2)
              for family, case in (("flux", FLUX), ("wan", WAN)) for schedule in SCHEDULES}
+    # DanceGRPO's selection trains different steps per sample: a step mixes trained samples (1F1B) with
+    # untrained ones (forward-only)
+    cases["flux_reweight_dance"] = FLUX.but(schedule="reweight", pp=2, selection="dance_grpo", fraction=0.6,
+                                            advantage="dance_grpo", num_steps=5)
     return run_ranks(_run_all, 2, cases, timeout=400), _reference(cases)
 
 
@@ -108,6 +112,8 @@ def test_pp2_equals_world_size_1(two_stages):
             units = 8 if family == "wan" else 4
             assert [c for c in reweight if not c[2]] == [(2, units, False)] * 6, (family, reweight)
             assert [c for c in reweight if c[2]] == [(2, 4, True)] * (8 if family == "wan" else 2), (family, reweight)
+        dance = rank["pp_sizes"]["flux_reweight_dance"]
+        assert {c[0] for c in dance} == {2} and sum(c[1] for c in dance if not c[2]) == 2 * 4 * 2  # 2 steps each
     for name, ref in reference.items():
         first, last = ranks[0][name], ranks[1][name]
         assert first.names and last.names and not set(first.names) & set(last.names), name
