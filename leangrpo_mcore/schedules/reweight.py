@@ -215,7 +215,6 @@ class ReweightSchedule(Schedule):
     def on_step(self, key: UnitKey, conditioning: Conditioning) -> Callable[[StepRecord], None]:
         """Backpropagate each trained step of micro-batch ``key`` at once, one provisional gradient per sample
         (a record of one sample, :attr:`StepRecord.row`, or of the whole micro-batch)."""
-        objective = self.ctx.objective
 
         def backward_now(record: StepRecord) -> None:
             if not record.grad or not bool(record.train.any()):
@@ -265,7 +264,7 @@ class ReweightSchedule(Schedule):
         if objective.kl_beta > 0:
             with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
                 reference = staged.velocities(requests)
-        parts = [(i, part) for i in range(len(rows)) for part in (("kl", "pg") if reference else ("pg",))]
+        parts = [(i, part) for i in range(len(rows)) for part in (("kl", "pg") if objective.kl_beta > 0 else ("pg",))]
 
         def loss_of(k: int, velocity: torch.Tensor) -> torch.Tensor:
             i, part = parts[k]

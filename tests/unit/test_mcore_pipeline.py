@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 
 import megatron.core.pipeline_parallel as mcore_pp
 import torch
