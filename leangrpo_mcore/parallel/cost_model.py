@@ -330,11 +330,12 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     """(seconds from the first stage's first forward to the last backward, boundary seconds within them).
 
     Native: each denoising step's forwards of a group's micro-batches are one forward-only schedule (the SDE
-    step needs the velocities before the next), the KL reference forwards go through the stages one unit after
-    the other (``schedules/native.py``), and each update's recompute is one 1F1B schedule over the
+    step needs the velocities before the next), the KL reference forwards one forward-only schedule over the
+    units (``schedules/native.py``), and each update's recompute is one 1F1B schedule over the
     (micro-batch, selected step) units. Retain: the rollout's steps as Native's (the trained ones keep their
-    graphs), its deferred backward a backward pipeline over the kept graphs (the forward-only makespan with the
-    backward's seconds), later updates 1F1B. Reweight: an untrained step as Native's; a trained step one 1F1B
+    graphs; their KL reference forwards go through the stages one unit after the other), its deferred backward
+    a backward pipeline over the kept graphs (the forward-only makespan with the backward's seconds), later
+    updates 1F1B. Reweight: an untrained step as Native's; a trained step one 1F1B
     schedule over the group's samples on the rank, each forward alone and backpropagated at once (with the KL
     term two units per sample, after a forward-only schedule of the reference forwards); later updates 1F1B.
     """
@@ -350,8 +351,12 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     bwd = [b * (r.backward + r.tp_per_pass) for r in rates]
     units = per_group * work.selected_steps
     roll = pt.forward_only(fwd, hops, per_group)
-    ref = (units * (sum(fwd) + sum(hops) + velocity), units * (sum(hops) + velocity)) if work.kl_beta > 0 \
-        else (0.0, 0.0)
+    ref = (0.0, 0.0)
+    if work.kl_beta > 0 and schedule == "native":  # one forward-only call over the units, before the recompute
+        ref = pt.forward_only(fwd, hops, units)
+        ref = (ref[0] + units * velocity, ref[1] + units * velocity)
+    elif work.kl_beta > 0:  # Retain's, with each trained step of the rollout, one unit after the other
+        ref = (units * (sum(fwd) + sum(hops) + velocity), units * (sum(hops) + velocity))
     train = pt.one_f_one_b(fwd, bwd, hops, units)
     updates = work.updates_per_rollout
     later = ((updates - 1) * train[0], (updates - 1) * train[1])

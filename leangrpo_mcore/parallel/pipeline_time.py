@@ -11,8 +11,8 @@ in terms of the per-stage seconds of one micro-batch's forward ``f[k]`` and back
   ``sum(f + b) + 2 sum(h) + (u - 1) * (max(f) + max(b) + 2 max(h))``;
 - **backward pipeline** (Retain's deferred backward of its kept graphs, GPipe's second half): the
   forward-only makespan with the backward's seconds, the stages in reverse;
-- **one unit at a time** (the KL reference forwards of Native and Retain): each pass costs ``sum(f)`` plus its
-  boundaries, and a stage is idle while the others compute.
+- **one unit at a time** (Retain's KL reference forwards): each pass costs ``sum(f)`` plus its boundaries, and
+  a stage is idle while the others compute.
 
 Reweight's trained steps are 1F1B schedules of their own, one per trained denoising step, over the samples of a
 group on the rank (``cost_model``).

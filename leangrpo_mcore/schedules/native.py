@@ -13,8 +13,8 @@ ascending — so both accumulate the same per-unit gradients in the same order. 
 megatron-core's pipeline scheduler (``get_forward_backward_func()``, :mod:`leangrpo_mcore.parallel.pipeline`):
 :meth:`NativeSchedule.forward_step` is its ``forward_step_func``, one scheduler call per group. With pipeline
 stages (``parallel.pp`` > 1) the call is megatron's 1F1B schedule over the stages, so that the stages recompute
-different units at once; the reference forwards of the KL term (no grad) run before it, through the stages
-one unit after the other, and each unit carries its reference mean into the schedule.
+different units at once; the reference forwards of the KL term (no grad) run before it, as one forward-only call
+over the units, and each unit carries its reference mean into the schedule.
 """
 
 from __future__ import annotations
@@ -67,15 +67,21 @@ class NativeSchedule(Schedule):
             run_micro_batches(self.forward_step, units, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES)
             return
         if self.ctx.objective.kl_beta > 0:
-            units = [dataclasses.replace(unit, ref_mean=self._reference(unit)) for unit in units]
+            units = [dataclasses.replace(unit, ref_mean=mean) for unit, mean in zip(units, self._references(units))]
         with staged.scheduled():
             run_micro_batches(self.forward_step, units, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES,
                               dtype=staged.link.dtype, pipeline=staged.policy)
 
-    def _reference(self, unit: RecomputeUnit) -> torch.Tensor:
-        traj, t = unit.traj, unit.t
-        return self.reference_mean(traj.latents[:, t], traj.next_latents[:, t], traj.sigmas[:, t],
-                                   traj.sigmas[:, t + 1], traj.conditioning)
+    def _references(self, units: list[RecomputeUnit]) -> list[torch.Tensor]:
+        """The reference means of ``units`` (pipeline stages): their reference forwards as one forward-only call
+        of megatron's schedule, each mean as :meth:`reference_mean` forms it."""
+        requests = [(unit.traj.latents[:, unit.t], unit.traj.sigmas[:, unit.t], unit.traj.conditioning)
+                    for unit in units]
+        with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
+            velocities = pipelined(self.ctx.velocity_fn).velocities(requests)
+            return [self.ctx.sde.step(v, latents, sigma, u.traj.sigmas[:, u.t + 1],
+                                      prev_sample=u.traj.next_latents[:, u.t]).mean
+                    for v, u, (latents, sigma, _) in zip(velocities, units, requests)]
 
     def forward_step(self, data_iterator: Iterator[RecomputeUnit], model) -> tuple[torch.Tensor, Optional[Callable]]:
         """megatron's ``forward_step_func``: the unit's recompute; its loss is formed by the returned loss_func.
