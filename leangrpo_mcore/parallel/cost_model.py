@@ -333,9 +333,8 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     step needs the velocities before the next), the KL reference forwards one forward-only schedule over the
     units (``schedules/native.py``), and each update's recompute is one 1F1B schedule over the
     (micro-batch, selected step) units. Retain: the rollout's steps as Native's (the trained ones keep their
-    graphs; their KL reference forwards go through the stages one unit after the other), its deferred backward
-    a backward pipeline over the kept graphs (the forward-only makespan with the backward's seconds), later
-    updates 1F1B. Reweight: an untrained step as Native's; a trained step one 1F1B
+    graphs), the KL reference forwards as Native's, its deferred backward a backward pipeline over the kept graphs
+    (the forward-only makespan with the backward's seconds), later updates 1F1B. Reweight: an untrained step as Native's; a trained step one 1F1B
     schedule over the group's samples on the rank, each forward alone and backpropagated at once (with the KL
     term two units per sample, after a forward-only schedule of the reference forwards); later updates 1F1B.
     """
@@ -352,11 +351,9 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     units = per_group * work.selected_steps
     roll = pt.forward_only(fwd, hops, per_group)
     ref = (0.0, 0.0)
-    if work.kl_beta > 0 and schedule == "native":  # one forward-only call over the units, before the recompute
+    if work.kl_beta > 0:  # the KL reference forwards: one forward-only call over the units, before the backward
         ref = pt.forward_only(fwd, hops, units)
         ref = (ref[0] + units * velocity, ref[1] + units * velocity)
-    elif work.kl_beta > 0:  # Retain's, with each trained step of the rollout, one unit after the other
-        ref = (units * (sum(fwd) + sum(hops) + velocity), units * (sum(hops) + velocity))
     train = pt.one_f_one_b(fwd, bwd, hops, units)
     updates = work.updates_per_rollout
     later = ((updates - 1) * train[0], (updates - 1) * train[1])

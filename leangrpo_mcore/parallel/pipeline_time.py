@@ -10,12 +10,12 @@ in terms of the per-stage seconds of one micro-batch's forward ``f[k]`` and back
 - **1F1B** (Native's recompute; megatron-core's one-forward-one-backward schedule) over u units:
   ``sum(f + b) + 2 sum(h) + (u - 1) * (max(f) + max(b) + 2 max(h))``;
 - **backward pipeline** (Retain's deferred backward of its kept graphs, GPipe's second half): the
-  forward-only makespan with the backward's seconds, the stages in reverse;
-- **one unit at a time** (Retain's KL reference forwards): each pass costs ``sum(f)`` plus its boundaries, and
-  a stage is idle while the others compute.
+  forward-only makespan with the backward's seconds, the stages in reverse.
 
 Reweight's trained steps are 1F1B schedules of their own, one per trained denoising step, over the samples of a
-group on the rank (``cost_model``).
+group on the rank, and the KL reference forwards of every schedule are forward-only schedules (``cost_model``).
+A forward run alone through the stages (lock-step) would cost ``sum(f)`` plus its boundaries, each stage idle
+while the others compute; the trainer avoids it.
 
 What a stage computes itself is the step's ordinary compute (the cost model's ``rollout``, ``recompute``,
 ``backward``, ... of its own layers); the rest of a makespan is boundary traffic (``p2p``) and waiting (the

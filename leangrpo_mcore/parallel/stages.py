@@ -20,8 +20,8 @@ pipeline group. A lock-step forward does not pipeline across samples: while one 
 wait in a receive, and that wait is the ``bubble`` phase of the step's breakdown ((pp − 1)/pp of its time per
 stage). The step's bulk therefore goes through megatron's pipelined schedules instead, several forwards at once:
 :meth:`StagedVelocity.velocities` (forward-only, graphs kept under grad) and :meth:`StagedVelocity.trained`
-(1F1B, each forward backpropagated at once); what stays lock-step is a single forward (Retain's KL
-reference forwards). What each stage holds is its own: its blocks' parameters, gradients, optimizer
+(1F1B, each forward backpropagated at once); a lock-step forward is only ever a single one (a pipelined call
+of one request). What each stage holds is its own: its blocks' parameters, gradients, optimizer
 state, graphs (Retain) and provisional gradients (Reweight), all synchronised over the stage's own data-parallel
 ranks.
 """

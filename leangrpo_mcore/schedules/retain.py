@@ -36,7 +36,8 @@ import torch
 from leangrpo_mcore.diffusion.sampler import StepRecord
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
-from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, UnitKey, register_schedule, unit_loss
+from leangrpo_mcore.schedules.base import (GroupUpdate, Schedule, UnitKey, kl_value, pipelined, register_schedule,
+                                           unit_loss)
 
 
 @dataclass
@@ -47,6 +48,10 @@ class _KeptUnit:
     """(B,) KL with its graph, or None."""
     train: torch.Tensor
     """(B,) bool."""
+    step: Optional[StepRecord] = None
+    """The step whose KL is still to be formed (pipeline stages: its reference forward joins the group's)."""
+    conditioning: Optional[Conditioning] = None
+    """The micro-batch's conditioning (with :attr:`step`)."""
 
 
 @dataclass
@@ -80,11 +85,33 @@ class RetainSchedule(Schedule):
         def keep(record: StepRecord) -> None:
             if not record.grad or not bool(record.train.any()):
                 return
+            if self.ctx.objective.kl_beta > 0 and pipelined(self.ctx.velocity_fn) is not None:
+                kept.append(_KeptUnit(log_prob=record.sde.log_prob, kl=None, train=record.train, step=record,
+                                      conditioning=conditioning))
+                return
             kl = self.step_kl(record.sde.mean, record.sde.std, record.latents, record.next_latents,
                               record.sigma, record.sigma_next, conditioning)
             kept.append(_KeptUnit(log_prob=record.sde.log_prob, kl=kl, train=record.train))
 
         return keep
+
+    def _form_kl(self, units: list[_KeptUnit]) -> None:
+        """Pipeline stages: the KL of the kept steps that wait for it, their reference forwards one forward-only
+        call of megatron's schedule (a reference forward one at a time would cross the stages in lock-step)."""
+        waiting = [unit for unit in units if unit.step is not None]
+        if not waiting:
+            return
+        requests = [(u.step.latents, u.step.sigma, u.conditioning) for u in waiting]
+        sde = self.ctx.sde
+        with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
+            velocities = pipelined(self.ctx.velocity_fn).velocities(requests)
+            means = [sde.step(v, u.step.latents, u.step.sigma, u.step.sigma_next, prev_sample=u.step.next_latents).mean
+                     for v, u in zip(velocities, waiting)]
+        for unit, ref_mean in zip(waiting, means):
+            step = unit.step
+            unit.kl = kl_value(sde, self.ctx.objective, step.sde.mean, ref_mean, step.sde.std, step.sigma,
+                               step.sigma_next)
+            unit.step = unit.conditioning = None
 
     def on_advantages(self, group: GroupUpdate) -> None:
         """Backpropagate the group's kept graphs, scaled by their advantages (one megatron micro-batch each, in
@@ -94,6 +121,7 @@ class RetainSchedule(Schedule):
             units = self._kept.pop((group.index, mb), [])
             advantages = advantages.to(units[0].log_prob.device) if units else advantages
             backwards.extend(_Backward(unit, advantages) for unit in units)
+        self._form_kl([backward.unit for backward in backwards])
         run_micro_batches(self.forward_step, backwards, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES)
 
     def forward_step(self, data_iterator: Iterator[_Backward], model) -> tuple[torch.Tensor, Callable]:

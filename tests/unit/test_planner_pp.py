@@ -189,14 +189,11 @@ def test_reweight_pipelines_each_trained_step_and_reference_forwards_cost_how_th
     graph = [memory_phases(work, hw, lay, "retain", False, k)["retain_graphs"]["activations"] / (15 * 16)
              for k in range(4)]
     assert [h / g for h, g in zip(held, graph)] == pytest.approx([4, 3, 2, 1])
-    # KL reference forwards: Native's are one forward-only call over its units (one fill and drain), Retain's go
-    # unit by unit through the stages with the rollout's trained steps (~3 x their own time more bubble)
-    native_kl = estimate(_flux_work(kl_beta=0.01), hw, lay, "native", False)
-    added = native_kl.time["pipeline_bubble"] - native.time["pipeline_bubble"]
-    assert 0 < added < 0.05 * native_kl.time["reference_forward"]
-    retain, retain_kl = (estimate(_flux_work(kl_beta=beta), hw, lay, "retain", False) for beta in (0.0, 0.01))
-    added = retain_kl.time["pipeline_bubble"] - retain.time["pipeline_bubble"]
-    assert 2.5 * retain_kl.time["reference_forward"] < added < 3.3 * retain_kl.time["reference_forward"]
+    # KL reference forwards: one forward-only call over a group's units (one fill and drain), for Native and Retain
+    for schedule in ("native", "retain"):
+        plain, kl = (estimate(_flux_work(kl_beta=beta), hw, lay, schedule, False) for beta in (0.0, 0.01))
+        added = kl.time["pipeline_bubble"] - plain.time["pipeline_bubble"]
+        assert 0 < added < 0.05 * kl.time["reference_forward"], schedule
 
 
 def test_placement_puts_stages_outermost():
