@@ -334,9 +334,10 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     units (``schedules/native.py``), and each update's recompute is one 1F1B schedule over the
     (micro-batch, selected step) units. Retain: the rollout's steps as Native's (the trained ones keep their
     graphs), the KL reference forwards as Native's, its deferred backward a backward pipeline over the kept graphs
-    (the forward-only makespan with the backward's seconds), later updates 1F1B. Reweight: an untrained step as Native's; a trained step one 1F1B
-    schedule over the group's samples on the rank, each forward alone and backpropagated at once (with the KL
-    term two units per sample, after a forward-only schedule of the reference forwards); later updates 1F1B.
+    (the forward-only makespan with the backward's seconds), later updates 1F1B. Reweight: an untrained step as
+    Native's; a trained step one 1F1B schedule over the group's samples on the rank, each forward alone and
+    backpropagated at once (with the KL term two units per sample, after a forward-only schedule of the
+    reference forwards); later updates 1F1B.
     """
     shape = sample_shape(work, layout)
     rates = [_rates(work, hw, layout, ac, arch) for arch in stages]
