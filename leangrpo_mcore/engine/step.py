@@ -28,7 +28,8 @@ rewards every CP rank receives. Their gradients are partial and FSDP2's reductio
 ``parallel.pp`` (pipeline parallelism): the stages of a data-parallel index run this same program in lock-step,
 each holding its own blocks; only the policy forward is split (:mod:`leangrpo_mcore.parallel.stages`), and every
 stage gets the same velocity, so the trajectories, rewards (scored on the last stage, received by the others),
-advantages and schedule hooks are the same on every stage, and each stage's gradients are its own blocks'.
+advantages and schedule hooks are the same on every stage, and each stage's gradients are its own blocks'. With
+both, the CP ranks of each stage split the samples' tokens, and a sample is scored on CP rank 0 of the last stage.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from leangrpo_mcore.config.schema import Config
 from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, draw_rollout_inputs, rollout_together
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
-from leangrpo_mcore.diffusion.velocity import SplitVelocity
 from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
 from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
 from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
@@ -57,6 +57,7 @@ from leangrpo_mcore.parallel.memory import MemoryMeter
 from leangrpo_mcore.parallel.mesh import ParallelContext
 from leangrpo_mcore.parallel.precision import ForwardPrecision, null_precision
 from leangrpo_mcore.parallel.sequence import LatentSplit
+from leangrpo_mcore.parallel.stages import split_velocity
 from leangrpo_mcore.rl.advantages import advantage_affine, clamp_would_fire, compute_advantages
 from leangrpo_mcore.schedules.base import (GroupUpdate, Objective, PhaseTimer, ScheduleContext, UpdateStats,
                                            build_schedule, loss_weight)
@@ -205,8 +206,6 @@ class StepPlan:
         check_layout(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step)
         if ctx.layout.cp > 1 and self.async_scoring:
             raise ValueError("reward.async_scoring with parallel.cp > 1 is not supported yet: set one of them off")
-        if ctx.layout.pp > 1 and ctx.layout.cp > 1:
-            raise ValueError("parallel.pp > 1 with parallel.cp > 1 is not supported yet: set one of them to 1")
         if ctx.layout.pp > 1 and self.async_scoring:
             raise ValueError("reward.async_scoring with parallel.pp > 1 is not supported yet: set one of them off")
         if (self.schedule == "reweight" and self.reshard_after_forward and int(ctx.layout.dp_shard) > 1
@@ -326,7 +325,7 @@ class StepEngine:
         plan.validate(ctx, policy)
         self.split = LatentSplit(plan.latent_shape, ctx.cp_group) if ctx.layout.cp > 1 else None
         if self.split is not None:
-            velocity_fn = SplitVelocity(velocity_fn, self.split)
+            velocity_fn = split_velocity(velocity_fn, self.split)
             plan = dataclasses.replace(plan, sde=dataclasses.replace(plan.sde, sample_mean=self.split.sample_mean))
         self.plan, self.policy, self.velocity_fn, self.ctx = plan, policy, velocity_fn, ctx
         self.optimizer, self.reward_fn, self.lr_scheduler = optimizer, reward_fn, lr_scheduler
@@ -504,22 +503,23 @@ class StepEngine:
 
     def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
         """(B,) checked rewards of a micro-batch, scored once per sample: under CP the whole latents on CP rank 0,
-        under PP on the last stage (every stage holds the same latents); the other ranks of the sample receive
-        the result (or the error)."""
+        under PP on the last stage (every stage holds the same latents), under both on CP rank 0 of the last
+        stage; the other ranks of the sample receive the result (or the error)."""
         batch = final_latents.shape[0]
-        if self.split is not None:
-            whole, group, scorer = self.split.gather(final_latents), self.ctx.cp_group, 0
-        elif self.ctx.pp_group is not None:
-            whole, group, scorer = final_latents, self.ctx.pp_group, int(self.ctx.layout.pp) - 1
-        else:
+        # the scorer's result travels along its pipeline (from the last stage), then across the CP ranks of each stage
+        hops = [(self.ctx.pp_group, int(self.ctx.layout.pp) - 1)] if self.ctx.pp_group is not None else []
+        hops += [(self.ctx.cp_group, 0)] if self.split is not None else []
+        if not hops:
             return _check_rewards(self.reward_fn(final_latents, prompt_ids), batch)
+        whole = self.split.gather(final_latents) if self.split is not None else final_latents
         outcome: list = [None]
-        if dist.get_rank(group) == scorer:
+        if all(dist.get_rank(group) == src for group, src in hops):
             try:
                 outcome[0] = _check_rewards(self.reward_fn(whole, prompt_ids), batch).cpu()
             except ValueError as err:
                 outcome[0] = str(err)
-        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, scorer), group=group)
+        for group, src in hops:
+            dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, src), group=group)
         if isinstance(outcome[0], str):
             raise ValueError(outcome[0])
         return outcome[0]

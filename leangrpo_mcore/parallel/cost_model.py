@@ -343,7 +343,8 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     rates = [_rates(work, hw, layout, ac, arch) for arch in stages]
     b, cfg = shape.micro_batch, (2 if work.cfg else 1)
     groups, per_group = shape.groups_per_rank, shape.micro_batches // shape.groups_per_rank
-    sample_bytes = cfg * boundary_elements(work.arch, work.tokens) * work.precision.compute_bytes
+    # each CP rank sends its tokens of the boundary to the same CP rank of the next stage
+    sample_bytes = cfg * boundary_elements(work.arch, work.tokens) * work.precision.compute_bytes / layout.cp
     hops = pt.boundary_seconds(hw, layout, b * sample_bytes)
     # the float32 velocity the last stage broadcasts to the others after each micro-batch's forward
     velocity = max(pt.boundary_seconds(hw, layout, b * cfg * 4 * work.arch.latent_elements(work.tokens)))

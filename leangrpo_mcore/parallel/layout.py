@@ -3,7 +3,7 @@
 Pure Python (no torch.distributed). Candidates are every pipeline-parallel size whose stages are whole nodes or
 divide a node (pp outermost, at most one stage per block), every TP size dividing both the attention heads and
 the GPUs of a stage in a node, every CP (context-parallel) size dividing the heads per TP rank with TP x CP inside
-a node (CP only at pp = 1, as the trainer runs it), every FSDP shard degree filling part or all of the rest of a
+a node (at every pp, as the trainer runs it), every FSDP shard degree filling part or all of the rest of a
 node, HSDP replicas across the remaining GPUs of a stage, each schedule (Native, Retain, Reweight) and, unless
 the experiment fixes it, activation checkpointing on and off.
 :mod:`leangrpo_mcore.parallel.cost_model` predicts each candidate's peak memory and step time; the fastest that
@@ -129,28 +129,26 @@ def pipeline_sizes(hw: Hardware, num_layers: int) -> list[int]:
             and ((hw.world_size // p) % g == 0 or g % (hw.world_size // p) == 0)]
 
 
-def check_pp(pp: int, num_layers: int, hw: Hardware, cp: Optional[int] = None) -> None:
+def check_pp(pp: int, num_layers: int, hw: Hardware) -> None:
     """One-line UserError unless ``pp`` stages can be placed on the cluster and run by the trainer."""
     if pp < 1:
         raise UserError(f"pp must be >= 1, got {pp}")
     if pp not in pipeline_sizes(hw, num_layers):
         raise UserError(f"pp={pp} does not split {hw.nodes} node(s) x {hw.gpus_per_node} GPUs into stages of whole "
                         f"nodes or of a divisor of a node, with a block per stage ({num_layers} blocks)")
-    if pp > 1 and cp is not None and cp > 1:
-        raise UserError(f"pp={pp} with cp={cp} is not supported by the trainer: set one of them to 1")
 
 
 def enumerate_layouts(num_heads: int, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Optional[int] = None,
                       dp_replicate: Optional[int] = None, cp: Optional[int] = None, pp: Optional[int] = 1,
                       num_layers: Optional[int] = None) -> list[Layout]:
-    """PP stages of whole nodes or a divisor of a node; TP | heads and TP | GPUs per node; CP | heads / TP (at
-    pp = 1); TP x CP x dp_shard inside a node; dp_replicate the rest of a stage (fixed ones kept; ``cp=None``
+    """PP stages of whole nodes or a divisor of a node; TP | heads and TP | GPUs per node; CP | heads / TP;
+    TP x CP x dp_shard inside a node; dp_replicate the rest of a stage (fixed ones kept; ``cp=None``
     / ``pp=None`` try every degree; ``num_layers`` bounds pp, one block per stage)."""
     if cp is not None:
         check_cp(cp, num_heads, hw, tp)
     layers = num_layers if num_layers is not None else hw.world_size
     if pp is not None:
-        check_pp(pp, layers, hw, cp)
+        check_pp(pp, layers, hw)
     out = []
     for p in pipeline_sizes(hw, layers):
         if pp is not None and p != pp:
@@ -161,7 +159,7 @@ def enumerate_layouts(num_heads: int, hw: Hardware, *, tp: Optional[int] = None,
             if num_heads % t or (tp is not None and t != tp):
                 continue
             for c in divisors(inner // t):
-                if (num_heads // t) % c or (cp is not None and c != cp) or (p > 1 and c > 1):
+                if (num_heads // t) % c or (cp is not None and c != cp):
                     continue
                 for s in divisors(inner // (t * c)):
                     r = stage // (t * c * s)

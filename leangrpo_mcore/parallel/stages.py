@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.diffusion.trajectory import Conditioning
+from leangrpo_mcore.diffusion.velocity import SplitVelocity
 from leangrpo_mcore.parallel.mesh import ParallelContext
 from leangrpo_mcore.parallel.pipeline import ScheduleConfig, cpu_bridge
 
@@ -305,3 +306,51 @@ class StagedVelocity:
     def reference(self) -> contextlib.AbstractContextManager:
         """The inner function's reference context (adapters disabled on every stage)."""
         return self.inner.reference()
+
+
+class SplitStages(SplitVelocity):
+    """Pipeline stages on this rank's pieces of the latents (``parallel.pp`` > 1 with ``parallel.cp`` > 1): every
+    call of :class:`StagedVelocity` with the pieces gathered into whole latents first and this rank's piece of
+    each velocity kept after, as :class:`~leangrpo_mcore.diffusion.velocity.SplitVelocity` does for one forward.
+    Inside, each CP rank of a stage holds its tokens of the boundary tensors (the policy's sequence-parallel
+    forward) and exchanges them with the same CP rank of the next stage."""
+
+    @property
+    def link(self) -> StageLink:
+        """The inner stages' link."""
+        return self.inner.link
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """This rank's policy stage."""
+        return self.inner.policy
+
+    def scheduled(self) -> contextlib.AbstractContextManager:
+        """The inner stages' scheduled mode (:meth:`StagedVelocity.scheduled`)."""
+        return self.inner.scheduled()
+
+    def _whole(self, requests: list) -> list:
+        return [(self.split.gather(latents), sigma, conditioning) for latents, sigma, conditioning in requests]
+
+    def boundary(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """This stage's boundary tensor (:meth:`StagedVelocity.boundary`) of the pieces ``latents``."""
+        return self.inner.boundary(self.split.gather(latents), sigma, conditioning)
+
+    def velocities(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]) -> list[torch.Tensor]:
+        """:meth:`StagedVelocity.velocities` of the pieces; each velocity this rank's piece."""
+        return [self.split.shard(v) for v in self.inner.velocities(self._whole(requests))]
+
+    def trained(self, requests: list, units: list[int], loss_of: Callable[[int, torch.Tensor], torch.Tensor],
+                around_backward: Callable[[int], ContextManager], grad_sync, *, phases: dict[str, str],
+                forward_context: Callable[[bool], ContextManager]) -> list[torch.Tensor]:
+        """:meth:`StagedVelocity.trained` of the pieces: ``loss_of`` sees this rank's piece of each velocity."""
+        out = self.inner.trained(self._whole(requests), units, lambda k, v: loss_of(k, self.split.shard(v)),
+                                 around_backward, grad_sync, phases=phases, forward_context=forward_context)
+        return [self.split.shard(v) for v in out]
+
+
+def split_velocity(inner, split) -> SplitVelocity:
+    """``inner`` on this rank's pieces of the latents (context parallelism): :class:`SplitStages` around pipeline
+    stages, :class:`~leangrpo_mcore.diffusion.velocity.SplitVelocity` otherwise."""
+    return SplitStages(inner, split) if hasattr(inner, "scheduled") else SplitVelocity(inner, split)
+

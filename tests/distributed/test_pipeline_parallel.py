@@ -8,7 +8,8 @@ equals the same step at world size 1, and a checkpoint written at pp=2 continues
   (the tests allow 1e-5 relative), the stages partition the trainable parameters, and both stages hold the
   rollout of the single-process run bit for bit, with its rewards, loss and global gradient norm.
 - pp=2 x dp_shard=2 on 4 ranks: the same FLUX step with FSDP2 inside each stage (1e-5 relative: the
-  reduce-scatter adds in another order).
+  reduce-scatter adds in another order); pp=2 x cp=2 on 4 ranks: FLUX and Wan with each sample's tokens split
+  over the CP pair of every stage, still on megatron's pipelined schedules (1e-5).
 - A 3-step pp=2 training run's step-2 checkpoint resumed at world size 1 ends where the pp=2 run ends.
 """
 
@@ -153,6 +154,34 @@ def test_pp2_with_fsdp_inside_each_stage(four_ranks):
         assert np.array_equal(ranks[0][name].trajectory, ranks[2][name].trajectory)
         assert np.array_equal(ranks[1][name].trajectory, ranks[3][name].trajectory)
         assert not np.array_equal(ranks[0][name].trajectory, ranks[1][name].trajectory)
+
+
+@pytest.fixture(scope="module")
+def stages_and_cp():
+    cases = {f"flux_{schedule}": FLUX.but(schedule=schedule, pp=2, cp=2) for schedule in SCHEDULES}
+    cases["wan_reweight"] = WAN.but(schedule="reweight", pp=2, cp=2)  # reference forwards and KL on the pieces
+    return run_ranks(_run_all, 4, cases, timeout=500), _reference({k: c.but(cp=1) for k, c in cases.items()})
+
+
+def test_pp2_cp2_equals_world_size_1(stages_and_cp):
+    """pp=2 x cp=2 on 4 ranks: each stage's CP pair splits every sample's tokens; every schedule still runs on
+    megatron's pipelined schedules, and each stage's gradients are the world-size-1 step's (1e-5)."""
+    ranks, reference = stages_and_cp
+    for name, ref in reference.items():
+        calls = ranks[0]["pp_sizes"][name]
+        assert {c[0] for c in calls if c[2]} == {2}, (name, calls)  # no lock-step rollout
+        assert {c[0] for c in calls if not c[2]} == ({1} if "retain" in name else {2}), (name, calls)
+        for out in (rank[name] for rank in ranks):
+            expected, mine = _stage_grads(ref, out)
+            assert rel_l2(expected, mine) <= 1e-5, name
+            np.testing.assert_allclose(out.rewards, ref.rewards, rtol=1e-5, atol=1e-6)
+            assert abs(out.losses[0] - ref.losses[0]) <= 1e-6, name
+            assert out.grad_norms[0] == pytest.approx(ref.grad_norms[0], rel=1e-5), name
+        assert sorted(ranks[0][name].names + ranks[2][name].names) == sorted(ref.names), name
+        # ranks 0 and 1 are the first stage's CP pair (different pieces of the same samples), rank 2 is the second
+        # stage's CP rank 0 (the same pieces as rank 0)
+        assert np.array_equal(ranks[0][name].trajectory, ranks[2][name].trajectory), name
+        assert not np.array_equal(ranks[0][name].trajectory, ranks[1][name].trajectory), name
 
 
 def _torchrun(run: Path, *overrides: str) -> None:

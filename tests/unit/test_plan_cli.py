@@ -167,7 +167,7 @@ def test_cp_flag_forces_the_degree(capsys):
     out = _json(capsys, ["--model", "flux-dev", *HW, "--cp", "2"])
     assert {c["cp"] for c in out["candidates"]} == {2} and out["chosen"]["cp"] == 2
     assert "CP=2 splits each sample's 1536 tokens over 2 GPUs (the degree asked for)." in out["reason"]
-    assert all(c["tp"] * c["cp"] * c["dp_shard"] * c["dp_replicate"] == 8 for c in out["candidates"])
+    assert all(c["pp"] * c["tp"] * c["cp"] * c["dp_shard"] * c["dp_replicate"] == 8 for c in out["candidates"])
 
 
 def test_cp2_prediction_matches_the_simulated_step():

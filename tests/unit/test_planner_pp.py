@@ -205,16 +205,17 @@ def test_placement_puts_stages_outermost():
     assert {r.node for r in pl.ranks if r.pp_rank == 2} == {2}
 
 
-def test_layouts_keep_cp_at_pp_one_and_bad_degrees_are_one_line_errors():
+def test_layouts_combine_pp_with_cp_and_bad_degrees_are_one_line_errors():
     hw = Hardware(nodes=4, gpus_per_node=8)
     layouts = enumerate_layouts(24, hw, pp=None, num_layers=57)
     assert {lay.pp for lay in layouts} == {1, 2, 4, 8, 16, 32}
-    assert all(lay.cp == 1 for lay in layouts if lay.pp > 1)
+    assert {lay.cp for lay in layouts if lay.pp == 4} == {1, 2, 4, 8}  # a stage is one node: CP inside it
+    assert {lay.cp for lay in layouts if lay.pp == 16} == {1, 2}  # a stage is 2 GPUs
     assert all(lay.world_size == 32 for lay in layouts)
     with pytest.raises(UserError, match="pp=3 does not split"):
         enumerate_layouts(24, hw, pp=3, num_layers=57)
-    with pytest.raises(UserError, match="pp=2 with cp=2"):
-        enumerate_layouts(24, hw, pp=2, cp=2, num_layers=57)
+    both = enumerate_layouts(24, hw, pp=2, cp=2, num_layers=57)
+    assert both and all((lay.pp, lay.cp) == (2, 2) for lay in both)
     with pytest.raises(UserError, match="pp=64 does not split"):
         enumerate_layouts(24, Hardware(nodes=8, gpus_per_node=8), pp=64, num_layers=57)
 
@@ -264,7 +265,9 @@ def test_a_faster_link_shrinks_what_pp_one_pays_for_it():
 def test_cli_pp_flag_fixes_the_degree_and_refusals_are_one_line(capsys):
     code, out = _run(DONE_WHEN + ["--pp", "1", "--json"], capsys)
     assert code == 0 and {c["pp"] for c in json.loads(out.out)["candidates"]} == {1}
-    for extra, message in ((["--pp", "3"], "pp=3 does not split"), (["--pp", "2", "--cp", "2"], "pp=2 with cp=2"),
+    code, out = _run(DONE_WHEN + ["--pp", "2", "--cp", "2", "--json"], capsys)
+    assert code == 0 and {(c["pp"], c["cp"]) for c in json.loads(out.out)["candidates"]} == {(2, 2)}
+    for extra, message in ((["--pp", "3"], "pp=3 does not split"),
                            (["--pp", "4", "--simulate"], "does not simulate pipeline stages")):
         code, out = _run(DONE_WHEN + extra, capsys)
         assert code == 2, extra
