@@ -203,14 +203,15 @@ def plan(work: Workload, hw: Hardware, *, tp: Optional[int] = None, dp_shard: Op
         reason += " " + _cp_words(best, cands, work, hw)
     if best.layout.pp > 1:
         reason += " " + pp_words(best, cands, work, hw)
+    if best.layout.pp > 1 or best.layout.cp > 1:
+        reason += " " + _run_words(best)
     if best.schedule == "reweight":
         reason += " " + _reweight_words(work)
     return Plan(best.schedule, reason, best, cands, placement, hw, work)
 
 
 def _cp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardware) -> str:
-    """Why the chosen layout splits each sample over CP ranks, and how to run it (the trainer needs the schedule
-    named: ``schedule.name=auto`` refuses ``parallel.cp > 1``)."""
+    """Why the chosen layout splits each sample over CP ranks (how to run it: :func:`_run_words`)."""
     c = best.layout.cp
     tokens = work.tokens[work.arch.blocks[0].stream]
     text = f"CP={c} splits each sample's {tokens} tokens over {c} GPUs"
@@ -241,13 +242,12 @@ def _cp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardwar
             words = "recomputing activations in backward (at CP=1 it needs activation checkpointing to fit)"
         text += (f": the fastest at CP=1 ({other.schedule.capitalize()} with {describe_layout(other, work)}) takes "
                  f"{other.step_time_s:.1f} s/step, mostly {words} (+{diff[worst]:.1f} s).")
-    return text + (f" Run it with schedule.name={best.schedule} parallel.cp={c} (schedule.name=auto refuses "
-                   f"parallel.cp > 1).")
+    return text
 
 
 def pp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardware) -> str:
-    """Why the chosen layout splits the blocks into pipeline stages, against the best layout without, and how
-    to run it (the trainer's ``schedule.name=auto`` keeps the config's ``parallel.pp``)."""
+    """Why the chosen layout splits the blocks into pipeline stages, against the best layout without (how to run
+    it: :func:`_run_words`; the trainer's ``schedule.name=auto`` keeps the config's ``parallel.pp``)."""
     lay = best.layout
     counts = stage_block_counts(work.arch.num_layers, lay.pp)
     per_node = lay.stage_ranks / hw.gpus_per_node
@@ -275,7 +275,16 @@ def pp_words(best: Estimate, cands: list[Estimate], work: Workload, hw: Hardware
         worst = max(diff, key=diff.get)
         text += (f". The fastest at PP=1 ({other.schedule.capitalize()} with {describe_layout(other, work)}) takes "
                  f"{other.step_time_s:.1f} s/step, mostly {_WORDS.get(worst, worst)} (+{diff[worst]:.1f} s).")
-    return text + f" Run it with schedule.name={best.schedule} parallel.pp={lay.pp}."
+    return text
+
+
+def _run_words(best: Estimate) -> str:
+    """How to run a plan with stages or a CP split: the schedule named (``schedule.name=auto`` refuses
+    ``parallel.cp > 1``), with the degrees."""
+    lay = best.layout
+    degrees = (f" parallel.pp={lay.pp}" if lay.pp > 1 else "") + (f" parallel.cp={lay.cp}" if lay.cp > 1 else "")
+    refusal = " (schedule.name=auto refuses parallel.cp > 1)" if lay.cp > 1 else ""
+    return f"Run it with schedule.name={best.schedule}{degrees}{refusal}."
 
 
 def _reweight_words(work: Workload) -> str:

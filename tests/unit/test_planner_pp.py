@@ -266,7 +266,11 @@ def test_cli_pp_flag_fixes_the_degree_and_refusals_are_one_line(capsys):
     code, out = _run(DONE_WHEN + ["--pp", "1", "--json"], capsys)
     assert code == 0 and {c["pp"] for c in json.loads(out.out)["candidates"]} == {1}
     code, out = _run(DONE_WHEN + ["--pp", "2", "--cp", "2", "--json"], capsys)
-    assert code == 0 and {(c["pp"], c["cp"]) for c in json.loads(out.out)["candidates"]} == {(2, 2)}
+    data = json.loads(out.out)
+    assert code == 0 and {(c["pp"], c["cp"]) for c in data["candidates"]} == {(2, 2)}
+    assert data["reason"].count("Run it with") == 1
+    assert data["reason"].endswith(f"Run it with schedule.name={data['chosen']['schedule']} parallel.pp=2 "
+                                   "parallel.cp=2 (schedule.name=auto refuses parallel.cp > 1).")
     for extra, message in ((["--pp", "3"], "pp=3 does not split"),
                            (["--pp", "4", "--simulate"], "does not simulate pipeline stages")):
         code, out = _run(DONE_WHEN + extra, capsys)
