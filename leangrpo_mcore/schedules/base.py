@@ -301,6 +301,25 @@ class Schedule:
             velocity = self.ctx.velocity_fn(latents, sigma, conditioning)
             return self.ctx.sde.step(velocity, latents, sigma, sigma_next, prev_sample=next_latents).mean
 
+    def reference_velocities(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]
+                             ) -> list[torch.Tensor]:
+        """The reference policy's velocities of several forwards (adapters disabled, no grad), with pipeline
+        stages one forward-only call of megatron's schedule (one at a time, each would cross the stages alone)."""
+        staged = pipelined(self.ctx.velocity_fn)
+        with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
+            if staged is not None:
+                return staged.velocities(requests)
+            return [self.ctx.velocity_fn(*request) for request in requests]
+
+    def reference_means(self, steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                Conditioning]]) -> list[torch.Tensor]:
+        """:meth:`reference_mean` of several steps ``(latents, next_latents, sigma, sigma_next, conditioning)``,
+        their forwards together (:meth:`reference_velocities`)."""
+        velocities = self.reference_velocities([(x, sigma, cond) for x, _, sigma, _, cond in steps])
+        with torch.no_grad():
+            return [self.ctx.sde.step(v, x, sigma, sigma_next, prev_sample=x_next).mean
+                    for v, (x, x_next, sigma, sigma_next, _) in zip(velocities, steps)]
+
     def recompute(self, traj: Trajectory, t: int):
         """Native's forward of step ``t`` of micro-batch ``traj`` with gradients on the stored inputs."""
         latents, next_latents = traj.latents[:, t], traj.next_latents[:, t]

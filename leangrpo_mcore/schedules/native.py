@@ -67,21 +67,12 @@ class NativeSchedule(Schedule):
             run_micro_batches(self.forward_step, units, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES)
             return
         if self.ctx.objective.kl_beta > 0:
-            units = [dataclasses.replace(unit, ref_mean=mean) for unit, mean in zip(units, self._references(units))]
+            steps = [(u.traj.latents[:, u.t], u.traj.next_latents[:, u.t], u.traj.sigmas[:, u.t],
+                      u.traj.sigmas[:, u.t + 1], u.traj.conditioning) for u in units]
+            units = [dataclasses.replace(unit, ref_mean=mean) for unit, mean in zip(units, self.reference_means(steps))]
         with staged.scheduled():
             run_micro_batches(self.forward_step, units, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES,
                               dtype=staged.link.dtype, pipeline=staged.policy)
-
-    def _references(self, units: list[RecomputeUnit]) -> list[torch.Tensor]:
-        """The reference means of ``units`` (pipeline stages): their reference forwards as one forward-only call
-        of megatron's schedule, each mean as :meth:`reference_mean` forms it."""
-        requests = [(unit.traj.latents[:, unit.t], unit.traj.sigmas[:, unit.t], unit.traj.conditioning)
-                    for unit in units]
-        with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
-            velocities = pipelined(self.ctx.velocity_fn).velocities(requests)
-            return [self.ctx.sde.step(v, latents, sigma, u.traj.sigmas[:, u.t + 1],
-                                      prev_sample=u.traj.next_latents[:, u.t]).mean
-                    for v, u, (latents, sigma, _) in zip(velocities, units, requests)]
 
     def forward_step(self, data_iterator: Iterator[RecomputeUnit], model) -> tuple[torch.Tensor, Optional[Callable]]:
         """megatron's ``forward_step_func``: the unit's recompute; its loss is formed by the returned loss_func.

@@ -101,15 +101,11 @@ class RetainSchedule(Schedule):
         waiting = [unit for unit in units if unit.step is not None]
         if not waiting:
             return
-        requests = [(u.step.latents, u.step.sigma, u.conditioning) for u in waiting]
-        sde = self.ctx.sde
-        with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
-            velocities = pipelined(self.ctx.velocity_fn).velocities(requests)
-            means = [sde.step(v, u.step.latents, u.step.sigma, u.step.sigma_next, prev_sample=u.step.next_latents).mean
-                     for v, u in zip(velocities, waiting)]
+        means = self.reference_means([(u.step.latents, u.step.next_latents, u.step.sigma, u.step.sigma_next,
+                                       u.conditioning) for u in waiting])
         for unit, ref_mean in zip(waiting, means):
             step = unit.step
-            unit.kl = kl_value(sde, self.ctx.objective, step.sde.mean, ref_mean, step.sde.std, step.sigma,
+            unit.kl = kl_value(self.ctx.sde, self.ctx.objective, step.sde.mean, ref_mean, step.sde.std, step.sigma,
                                step.sigma_next)
             unit.step = unit.conditioning = None
 

@@ -260,10 +260,7 @@ class ReweightSchedule(Schedule):
         staged, sde, objective = pipelined(self.ctx.velocity_fn), self.ctx.sde, self.ctx.objective
         requests = [(row.latents, row.sigma, row.conditioning) for row in rows]
         kl_group = self._kl_group(group)
-        reference: list[torch.Tensor] = []
-        if objective.kl_beta > 0:
-            with torch.no_grad(), self.ctx.velocity_fn.reference(), self.ctx.precision(False):
-                reference = staged.velocities(requests)
+        reference = self.reference_velocities(requests) if objective.kl_beta > 0 else []
         parts = [(i, part) for i in range(len(rows)) for part in (("kl", "pg") if objective.kl_beta > 0 else ("pg",))]
 
         def loss_of(k: int, velocity: torch.Tensor) -> torch.Tensor:
