@@ -199,6 +199,12 @@ def token_count() -> torch.Tensor:
     return torch.ones((), dtype=torch.int, device=device)
 
 
+def loss_triple(loss: torch.Tensor):
+    """megatron's ``(loss, num_tokens, reduced)`` of a ``loss_func``, the loss backpropagated as it is (the unit
+    losses carry the update's weight already: module doc)."""
+    return loss, token_count(), {"loss": loss.detach()}
+
+
 P2P_TIMERS = ("forward-recv", "backward-recv", "forward-send", "backward-send", "forward-send-backward-recv",
               "backward-send-forward-recv")
 """megatron's point-to-point timer names: at pipeline size > 1 they are the ``bubble`` phase (transfers and the

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import SplitVelocity
 from leangrpo_mcore.parallel.mesh import ParallelContext
-from leangrpo_mcore.parallel.pipeline import ScheduleConfig, cpu_bridge
+from leangrpo_mcore.parallel.pipeline import ScheduleConfig, cpu_bridge, loss_triple
 
 PhaseFn = Callable[[str], ContextManager]
 
@@ -133,13 +133,6 @@ class StageLink:
         """Send ``boundary`` on and return the velocity from the last stage; under grad its backward receives
         the boundary's gradient from the next stage."""
         return _Handed.apply(boundary, like, self)
-
-
-def _loss_triple(loss: torch.Tensor):
-    """megatron's ``(loss, num_tokens, reduced)`` of a loss backpropagated as it is (see ``parallel/pipeline.py``)."""
-    from leangrpo_mcore.parallel.pipeline import token_count
-
-    return loss, token_count(), {"loss": loss.detach()}
 
 
 class _Handed(torch.autograd.Function):
@@ -295,7 +288,7 @@ class StagedVelocity:
                     return self.boundary(*requests[index]), None
                 velocity = self(*requests[index])
             outputs[index] = velocity.detach()
-            return velocity, lambda output: _loss_triple(loss_of(k, output))
+            return velocity, lambda output: loss_triple(loss_of(k, output))
 
         with self.scheduled():
             run_micro_batches(forward_step, list(enumerate(units)), grad_sync, phase=self.link.track,

@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from leangrpo_mcore.diffusion.trajectory import Trajectory
-from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
+from leangrpo_mcore.parallel.pipeline import loss_triple, run_micro_batches
 from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, kl_value, pipelined, register_schedule, unit_loss
 
 
@@ -98,4 +98,4 @@ class NativeSchedule(Schedule):
         loss, ratio = unit_loss(log_prob, unit.traj.log_probs[:, unit.t], unit.advantages, train, self.weight,
                                 self.ctx.objective, kl)
         self.stats.add(ratio, loss)
-        return loss, token_count(), {"loss": loss.detach()}
+        return loss_triple(loss)

@@ -35,7 +35,7 @@ import torch
 
 from leangrpo_mcore.diffusion.sampler import StepRecord
 from leangrpo_mcore.diffusion.trajectory import Conditioning
-from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
+from leangrpo_mcore.parallel.pipeline import loss_triple, run_micro_batches
 from leangrpo_mcore.schedules.base import (GroupUpdate, Schedule, UnitKey, kl_value, pipelined, register_schedule,
                                            unit_loss)
 
@@ -131,4 +131,4 @@ class RetainSchedule(Schedule):
         loss, ratio = unit_loss(log_prob, log_prob.detach(), backward.advantages, unit.train, self.weight,
                                 self.ctx.objective, unit.kl)
         self.stats.add(ratio, loss)
-        return loss, token_count(), {"loss": loss.detach()}
+        return loss_triple(loss)

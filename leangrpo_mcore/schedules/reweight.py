@@ -50,7 +50,7 @@ import torch
 from leangrpo_mcore.diffusion.sampler import StepRecord, TrainedRow
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.parallel.grad_sync import LocalGrads, grads_add_
-from leangrpo_mcore.parallel.pipeline import run_micro_batches, token_count
+from leangrpo_mcore.parallel.pipeline import loss_triple, run_micro_batches
 from leangrpo_mcore.parallel.precision import torch_dtype
 from leangrpo_mcore.schedules.base import (
     GroupUpdate,
@@ -117,12 +117,7 @@ PHASES = {"backward-compute": "backward"}
 
 def _formed(data_iterator: Iterator[torch.Tensor], model) -> tuple[torch.Tensor, Callable]:
     """megatron's ``forward_step_func`` of a loss formed already (its forward was the rollout's)."""
-    return next(data_iterator), _as_loss
-
-
-def _as_loss(loss: torch.Tensor):
-    """(loss, num_tokens, reduced) of a formed loss (see parallel/pipeline.py)."""
-    return loss, token_count(), {"loss": loss.detach()}
+    return next(data_iterator), loss_triple
 
 
 def _scaled_sum(terms: list[tuple[float, LocalGrads]]) -> LocalGrads:
