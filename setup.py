@@ -55,8 +55,10 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "ocr": ["rapidocr>=3.10,<4", "onnxruntime"],
         "text": ["transformers"],
+        "rewards": ["transformers"],  # PickScore, CLIPScore, the aesthetic predictor and HPSv2.1 (CLIPModel)
+        "video": ["imageio>=2.30", "imageio-ffmpeg>=0.5"],  # mp4 samples (the wheel ships ffmpeg)
         "wandb": ["wandb>=0.31,<1"],
-        "test": ["pytest>=7", "pytest-timeout", "transformers", "accelerate"],
+        "test": ["pytest>=7", "pytest-timeout", "transformers", "accelerate", "imageio>=2.30", "imageio-ffmpeg>=0.5"],
     },
     entry_points={
         "console_scripts": [
