@@ -305,6 +305,37 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Periodic evaluation on fixed held-out prompts with a deterministic sampler (docs/evaluation.md)."""
+
+    every: int = option(0, ge=0)
+    """Evaluate every N optimizer steps (0: never during training; leangrpo-eval still works)."""
+    before_train: bool = False
+    """Also evaluate before the first step (logged as step 0; not repeated when a run resumes)."""
+    prompts: Optional[str] = None
+    """Prompt file or dataset directory; null = the test split of data.prompts where it has one, else its prompts."""
+    num_prompts: Optional[int] = option(None, ge=1)
+    """The first N prompts of the eval set (null = all)."""
+    samples_per_prompt: int = option(1, ge=1)
+    """Generations per eval prompt, each from its own fixed initial noise."""
+    num_steps: Optional[int] = option(None, ge=1)
+    """Denoising steps of an eval rollout (null = sampler.num_steps)."""
+    noise_level: float = option(0.0, ge=0.0)
+    """SDE noise of the eval rollout; 0 = the deterministic ODE (Euler on the policy's velocity)."""
+    cfg_scale: Optional[float] = option(None, ge=1.0)
+    """Classifier-free guidance scale of the eval rollout (null = sampler.cfg_scale)."""
+    guidance_scale: Optional[float] = option(None, ge=0.0)
+    """Guidance-embedding value of a guidance-distilled policy (null = sampler.guidance_scale)."""
+    seed: int = option(0, ge=0)
+    """Seed of the eval noise: sample j of eval prompt i starts from noise drawn from (seed, i, j) alone."""
+    rewards: Optional[list[dict[str, Any]]] = None
+    """Rewards to report, each {name: ..., options: {...}, weights: ..., url: ...} as the reward section;
+    null = the training reward."""
+    use_ema: Optional[bool] = None
+    """Evaluate the EMA weights (null: true when train.ema_decay > 0)."""
+
+
+@dataclass
 class Config:
     """A whole experiment."""
 
@@ -330,3 +361,5 @@ class Config:
     """Logging."""
     data: DataConfig = option(factory=DataConfig)
     """Data."""
+    eval: EvalConfig = option(factory=EvalConfig)
+    """Periodic evaluation."""
