@@ -66,6 +66,7 @@ setup(
             "leangrpo-convert=leangrpo_mcore.cli.convert:main",
             "leangrpo-plan=leangrpo_mcore.cli.plan:main",
             "leangrpo-bench=leangrpo_mcore.cli.bench:launch",
+            "leangrpo-eval=leangrpo_mcore.cli.eval:launch",
         ]
     },
     classifiers=[

@@ -56,6 +56,12 @@ def build_config(data: dict, sources: dict[str, str] | None = None) -> Config:
     return _build(Config, data, prefix="", sources=sources or {}, default_source="<dict>")
 
 
+def build_section(cls: type, data: Any, prefix: str) -> Any:
+    """A checked section dataclass ``cls`` from a mapping found under the dotted ``prefix`` (e.g. an entry of a
+    list of sections such as ``eval.rewards``)."""
+    return _build(cls, data, prefix=prefix, sources={}, default_source="config")
+
+
 def dump_config(config: Config, path: str | os.PathLike) -> None:
     """Write the fully resolved config as YAML (loadable again by :func:`load_config`)."""
     with open(path, "w", encoding="utf-8") as fh:

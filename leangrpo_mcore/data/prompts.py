@@ -77,7 +77,7 @@ class PromptDataset:
             raise UserError(f"prompt source {source} has no prompts")
 
     @classmethod
-    def from_source(cls, source: str | Path) -> PromptDataset:
+    def from_source(cls, source: str | Path, split: str = "train") -> PromptDataset:
         """``'builtin'`` (the demo set shipped with the package) or a .txt / .jsonl file path."""
         if str(source) == BUILTIN:
             text = resources.files("leangrpo_mcore.data").joinpath(_BUILTIN_FILE).read_text(encoding="utf-8")
@@ -197,3 +197,7 @@ class PromptSampler:
         if epoch < 0 or not 0 <= offset < self.num_prompts:
             raise UserError(f"prompt sampler state has an invalid position (epoch={epoch}, offset={offset})")
         self.epoch, self.offset = epoch, offset
+
+
+def eval_source(source):  # placeholder until the split-aware loader lands
+    return source, "test"

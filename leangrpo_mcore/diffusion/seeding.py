@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-PURPOSES = ("init_noise", "sde_noise", "selection", "window")
+PURPOSES = ("init_noise", "sde_noise", "selection", "window", "eval_noise")
 _MASK64 = (1 << 64) - 1
 
 
@@ -88,3 +88,17 @@ def sde_noise_seeds(
 def step_generators(noise_seeds: torch.Tensor, t: int) -> list[torch.Generator]:
     """One CPU generator per sample for denoising step ``t`` from the (B, T) seeds of :func:`sde_noise_seeds`."""
     return [generator(int(seed)) for seed in noise_seeds[:, t].tolist()]
+
+
+def eval_inputs(seed: int, prompt_indices: Sequence[int], sample_indices: Sequence[int], shape: Sequence[int],
+                num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The evaluation noise of B samples named by (eval prompt index, sample index): (B, *shape) float32 initial
+    noise and (B, T) int64 SDE-noise seeds, from ``(seed, i, j)`` alone (never the step, rank or layout), so that
+    every evaluation of a run starts from the same noise."""
+    if len(prompt_indices) != len(sample_indices):
+        raise ValueError(f"{len(prompt_indices)} prompt indices for {len(sample_indices)} sample indices")
+    pairs = list(zip(prompt_indices, sample_indices))
+    init = torch.stack([torch.randn(tuple(shape), generator=generator(derive_seed(seed, "eval_noise", 0, i, j)),
+                                    dtype=torch.float32) for i, j in pairs])
+    seeds = [[derive_seed(seed, "eval_noise", 1, i, j, t) for t in range(num_steps)] for i, j in pairs]
+    return init, torch.tensor(seeds, dtype=torch.long).reshape(len(pairs), num_steps)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from leangrpo_mcore.config.schema import Config, LoRAConfig as LoRASection
+from leangrpo_mcore.config.schema import Config, LoRAConfig as LoRASection, RewardConfig as RewardSection
 from leangrpo_mcore.data.conditioning import TextDims, TextEncoder, build_text_encoder
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
 from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
@@ -71,7 +71,28 @@ class DataParts:
     sampler: PromptSampler
     text_encoder: TextEncoder
     decoder: LatentDecoder
-    reward: ValidatedReward
+    reward: Optional[ValidatedReward]
+    """None on ranks that never score (:func:`scores_samples`): they load no reward model."""
+
+
+def scores_samples(pctx: ParallelContext) -> bool:
+    """Whether this rank decodes and scores samples: CP rank 0 of the last pipeline stage (every TP rank of it)."""
+    return pctx.cp_rank == 0 and pctx.pp_rank == int(pctx.layout.pp) - 1
+
+
+def scoring_reward(build_fn, pctx: ParallelContext):
+    """``build_fn()`` on the ranks that score (None elsewhere); a UserError on any of them stops every rank with
+    its line (collective), so that no rank waits in a later collective for one that failed."""
+    from leangrpo_mcore.engine.launch import raise_if_any
+
+    reward, error = None, None
+    if scores_samples(pctx):
+        try:
+            reward = build_fn()
+        except UserError as err:
+            error = str(err)
+    raise_if_any(error)
+    return reward
 
 
 def resolve_plan(config: Config, world_size: int, logger: logging.Logger) -> Config:
@@ -227,7 +248,11 @@ def _frozen_in(policy: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _reward(config: Config) -> ValidatedReward:
     """The configured reward, built (and a plugin imported) now, so that a bad name or option fails at start."""
-    r = config.reward
+    return reward_of(config.reward)
+
+
+def reward_of(r: RewardSection) -> ValidatedReward:
+    """The reward a reward section describes (the training reward, or one of ``eval.rewards``)."""
     dedicated: dict = {}
     if r.name == "weighted":
         if not r.weights:
@@ -244,12 +269,22 @@ def _reward(config: Config) -> ValidatedReward:
     return build_reward(r.name, **dedicated, **r.options)
 
 
-def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict, device: torch.device) -> DataParts:
-    """Prompt dataset and sampler, text encoder, VAE decoder and reward for a policy of ``diffusers_config``."""
-    m, s, fam = config.model, config.sampler, family.name
+def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict, device: torch.device,
+                     pctx: Optional[ParallelContext] = None) -> DataParts:
+    """Prompt dataset and sampler, text encoder, VAE decoder and reward for a policy of ``diffusers_config`` (the
+    reward only on the ranks that score under ``pctx``; every rank without one)."""
     dataset = PromptDataset.from_source(config.data.prompts)
     sampler = PromptSampler(len(dataset), config.grpo.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
+    text, decoder = build_text_and_vae(config, family, diffusers_config, device)
+    reward = _reward(config) if pctx is None else scoring_reward(lambda: _reward(config), pctx)
+    return DataParts(dataset, sampler, text, decoder, reward)
+
+
+def build_text_and_vae(config: Config, family: ModelFamily, diffusers_config: dict,
+                       device: torch.device) -> tuple[TextEncoder, LatentDecoder]:
+    """The text encoder and the VAE decoder of a policy of ``diffusers_config``."""
+    m, s, fam = config.model, config.sampler, family.name
     max_length = HASHED_TEXT_LENGTH if m.text_encoder == "hashed" else m.text_max_length
     dims = TextDims.for_policy(fam, diffusers_config, max_length=max_length)
     guidance = s.guidance_scale if diffusers_config.get("guidance_embeds") else None
@@ -260,7 +295,7 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
     latent_shape(fam, s.height, s.width, s.frames, channels, spatial_factor=factor)  # before any weights load
     decoder = build_vae(m.vae, fam, m.vae_path, seed=m.seed, latent_channels=channels, spatial_factor=factor,
                         device=device)
-    return DataParts(dataset, sampler, text, decoder, _reward(config))
+    return text, decoder
 
 
 def latent_channels(family: ModelFamily, diffusers_config: dict) -> int:
@@ -269,22 +304,41 @@ def latent_channels(family: ModelFamily, diffusers_config: dict) -> int:
     return channels // 4 if family.name == "flux" else channels
 
 
-def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: ParallelContext,
-                 reward_fn: RewardFn) -> StepEngine:
-    """Sigma schedule, velocity function and the step engine of the configured schedule."""
-    s, fam = config.sampler, parts.family.name
-    hyper = parts.policy.config.to_diffusers_config()
-    factor, channels = spatial_factor(fam, hyper), latent_channels(parts.family, hyper)
-    shape = latent_shape(fam, s.height, s.width, s.frames, channels, spatial_factor=factor)
+def policy_latent_shape(config: Config, policy: torch.nn.Module, family: ModelFamily) -> tuple[int, ...]:
+    """Shape of one sampler latent of ``policy`` at the sampler's resolution and frames."""
+    s, hyper = config.sampler, policy.config.to_diffusers_config()
+    factor, channels = spatial_factor(family.name, hyper), latent_channels(family, hyper)
+    return latent_shape(family.name, s.height, s.width, s.frames, channels, spatial_factor=factor)
+
+
+def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The (num_steps + 1,) sigmas of the sampler's schedule (FLUX's shift from the token count of ``shape``)."""
+    s = config.sampler
     if s.sigma_schedule == "flux":
-        sigmas = get_sigmas("flux", s.num_steps, image_seq_len=shape[0])
-    else:
-        sigmas = get_sigmas(s.sigma_schedule, s.num_steps, shift=s.shift)
+        return get_sigmas("flux", num_steps, image_seq_len=shape[0])
+    return get_sigmas(s.sigma_schedule, num_steps, shift=s.shift)
+
+
+def build_velocity(config: Config, parts: PolicyParts, pctx: ParallelContext, *, cfg_scale: float):
+    """The policy's velocity function with classifier-free guidance ``cfg_scale``, across the pipeline stages at
+    ``parallel.pp`` > 1 (the step engine and the evaluator split it over the CP ranks themselves)."""
+    s, fam = config.sampler, parts.family.name
+    factor = spatial_factor(fam, parts.policy.config.to_diffusers_config())
     velocity = build_velocity_fn(fam, parts.policy, sigma_kind=s.sigma_schedule, latent_height=s.height // factor,
-                                 latent_width=s.width // factor, cfg_scale=s.cfg_scale)
+                                 latent_width=s.width // factor, cfg_scale=cfg_scale)
     if pctx.layout.pp > 1:
         compute = run_precision(config.model, config.parallel, config.schedule).compute
         velocity = StagedVelocity(velocity, StageLink(pctx, torch_dtype(compute)))
+    return velocity
+
+
+def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: ParallelContext,
+                 reward_fn: RewardFn) -> StepEngine:
+    """Sigma schedule, velocity function and the step engine of the configured schedule."""
+    s = config.sampler
+    shape = policy_latent_shape(config, parts.policy, parts.family)
+    sigmas = sigma_schedule(config, s.num_steps, shape)
+    velocity = build_velocity(config, parts, pctx, cfg_scale=s.cfg_scale)
     plan = StepPlan.from_config(config, latent_shape=shape, sigmas=sigmas, schedule=schedule)
     precision = fp8_precision(parts.policy) if config.model.fp8 else null_precision
     return StepEngine(plan, policy=parts.policy, velocity_fn=velocity, ctx=pctx, optimizer=parts.optimizer,

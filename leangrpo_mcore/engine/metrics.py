@@ -75,6 +75,18 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(step, row)
 
+    def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        """Log finite ``scalars`` to TensorBoard and wandb only (not metrics.jsonl): the evaluation's ``eval/...``."""
+        if not self.enabled:
+            return
+        finite = {k: float(v) for k, v in scalars.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if self._writer is not None:
+            for key, value in finite.items():
+                self._writer.add_scalar(key, value, global_step=step)
+            self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, finite)
+
     def add_image(self, tag: str, image_hwc_uint8: Any, step: int) -> None:
         """Log an (H, W, 3) uint8 image to TensorBoard and wandb."""
         if self._writer is not None:

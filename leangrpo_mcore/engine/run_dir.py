@@ -48,6 +48,11 @@ class RunDir:
         return os.path.join(self.root, "metrics.jsonl")
 
     @property
+    def eval_path(self) -> str:
+        """``eval.jsonl``: one JSON object per evaluation."""
+        return os.path.join(self.root, "eval.jsonl")
+
+    @property
     def checkpoints_dir(self) -> str:
         """Parent of the step_<N> checkpoints."""
         return os.path.join(self.root, "checkpoints")
@@ -116,6 +121,7 @@ def prepare(run_dir: RunDir, config_yaml: str, *, resume_step: Optional[int]) ->
     try:
         write_text_atomic(run_dir.config_path, config_yaml)
         truncate_metrics(run_dir.metrics_path, resume_step or 0)
+        truncate_metrics(run_dir.eval_path, resume_step or 0)
     except OSError as err:
         raise UserError(f"cannot write {err.filename or run_dir.root}: {err.strerror}") from None
 
@@ -171,3 +177,11 @@ def truncate_metrics(path: str, last_step: int) -> int:
     if os.path.isfile(path) or kept:
         write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
     return len(rows) - len(kept)
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    """Append one JSON object as a line of ``path`` (flushed to disk)."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())

@@ -36,12 +36,14 @@ from leangrpo_mcore.engine import build, checkpoint
 from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_error, get_logger, init_distributed,
                                           raise_if_any, shutdown)
 from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_stats
-from leangrpo_mcore.engine.run_dir import RunDir, check_fresh_run, prepare, read_metrics
+from leangrpo_mcore.engine.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
 from leangrpo_mcore.engine.samples import save_grid, to_uint8
+from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, write_eval_grid
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.wandb_log import open_wandb
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.mesh import destroy_parallel_context
+from leangrpo_mcore.parallel.precision import fp8_precision
 from leangrpo_mcore.rl.rewards import RewardError
 
 SAMPLE_GRID_MAX = 16
@@ -257,7 +259,7 @@ class Trainer:
         self.family, self.hyper = build.policy_hyper(config)
         self.lora = build.lora_record(config, self.family)
         same_layout = self._check_compatible(self.resume_path) if self.resume_path else True
-        self.data = build.build_data_parts(config, self.family, self.hyper, dist_ctx.device)
+        self.data = build.build_data_parts(config, self.family, self.hyper, dist_ctx.device, self.pctx)
         self.parts = build.build_policy_parts(config, self.pctx, self.precision)
         self.bridge = RewardBridge(self.data, config)
         self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
@@ -270,6 +272,7 @@ class Trainer:
         if config.parallel.reshard_after_forward is None and self.engine.plan.keeps_gathered(self.pctx):
             logger.info("FSDP2 keeps the parameters gathered through each step: %s trains different steps on "
                         "different ranks (parallel.reshard_after_forward=null)", config.grpo.timestep_selection)
+        self.evaluator = self._evaluator()
         self.guard = NonFiniteGuard(self.parts.optimizer)
         self.state = LoopState()
         self.resumed_step: Optional[int] = None
@@ -286,6 +289,17 @@ class Trainer:
         self.progress = ProgressBar(config.train.max_steps, self.state.step,
                                     enabled=enabled and config.logging.progress_bar)
         self.engine.progress = self.progress.rollout_hook
+
+    def _evaluator(self) -> Optional[Evaluator]:
+        """The run's evaluator when ``eval.every`` or ``eval.before_train`` asks for one (its rewards only on the
+        ranks that score)."""
+        cfg = self.config
+        if cfg.eval.every == 0 and not cfg.eval.before_train:
+            return None
+        rewards = build.scoring_reward(lambda: eval_rewards(cfg, self.data.reward), self.pctx)
+        forward = fp8_precision(self.parts.policy) if cfg.model.fp8 else None
+        return Evaluator(cfg, parts=self.parts, pctx=self.pctx, text_encoder=self.data.text_encoder,
+                         decoder=self.data.decoder, rewards=rewards, forward_context=forward)
 
     def _resume_target(self) -> Optional[str]:
         spec = self.config.checkpoint.resume
@@ -346,10 +360,14 @@ class Trainer:
         """Train until ``train.max_steps``; returns the final counters."""
         cfg = self.config
         try:
+            if cfg.eval.before_train and self.state.step == 0:
+                self._evaluate(0)
             for step in range(self.state.step + 1, cfg.train.max_steps + 1):
                 self._train_step(step)
                 if self._save_due(step):
                     self._save(step)
+                if cfg.eval.every and step % cfg.eval.every == 0:
+                    self._evaluate(step)
             self._finish_save()
         finally:
             self.bridge.close()
@@ -432,6 +450,21 @@ class Trainer:
         images = torch.stack([torch.from_numpy(it[0]).permute(2, 0, 1) for it in items]).float() / 255.0
         grid = save_grid(self.run_dir.sample_path(step), images, [it[1] for it in items], [it[2] for it in items])
         self.metrics.add_image("samples", np.asarray(grid), step)
+
+    def _evaluate(self, step: int) -> None:
+        """Evaluate the current weights: ``eval.jsonl``, ``eval/`` scalars and the eval grid (first rank)."""
+        with user_errors():
+            result = self.evaluator.evaluate(step)
+        if result is None:
+            return
+        append_jsonl(self.run_dir.eval_path, result.to_json())
+        self.metrics.log_scalars(step, result.scalars())
+        first = next(iter(result.rewards))
+        self.log.info("eval at step %d: %s (%d prompts x %d, %.1f s)", step,
+                      ", ".join(f"{name} {stats['mean']:.4f}" for name, stats in result.rewards.items()),
+                      result.num_prompts, result.samples_per_prompt, result.time_s)
+        if result.samples:
+            write_eval_grid(self.run_dir, step, result.samples, self.metrics, first)
 
     def _stop_if_diverged(self, step: int) -> None:
         if self.resumed_step is not None and step == self.resumed_step + 1 and self.state.nonfinite_streak:

@@ -1,0 +1,67 @@
+"""Evaluate a model without training: a run's checkpoint, or the policy that ``model.path`` names.
+
+Every rank builds what a training run builds (the parallel layout, the policy, its text encoder and VAE) except the
+prompt sampler, the training reward and the step engine, loads the checkpoint's weights (and EMA) when one is given,
+and runs one :class:`~leangrpo_mcore.engine.evaluate.Evaluator` pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Optional
+
+from leangrpo_mcore.config import Config
+from leangrpo_mcore.engine import build, checkpoint
+from leangrpo_mcore.engine.evaluate import EvalResult, Evaluator, eval_rewards
+from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown
+from leangrpo_mcore.engine.trainer import user_errors
+from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.mesh import destroy_parallel_context
+from leangrpo_mcore.parallel.precision import fp8_precision
+
+
+def _check_checkpoint(path: str, family: str, hyper: dict, lora: Optional[dict]) -> int:
+    """The checkpoint's step; UserError unless it holds a policy of this config's family, shape and adapters."""
+    try:
+        saved = checkpoint.read_state(path)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--checkpoint {path}: not a readable training checkpoint ({err})") from None
+    mine = json.loads(json.dumps({"family": family, "model_config": hyper, "lora": lora}))
+    for key, value in mine.items():
+        if saved.get(key) != value:
+            raise UserError(f"--checkpoint {path} does not match --config: its {key} is {saved.get(key)!r}, the "
+                            f"config's is {value!r} (pass the run's own RUN/config.yaml)")
+    return int(saved.get("step", 0))
+
+
+def evaluate_model(config: Config, checkpoint_path: Optional[str] = None) -> Optional[EvalResult]:
+    """Collective over the launched ranks: evaluate ``checkpoint_path`` (a ``RUN/checkpoints/step_<N>``) or, without
+    one, the model of ``config``; the result on the first rank, None elsewhere."""
+    if config.schedule.name == "auto":  # evaluation runs no update: any schedule builds the same policy
+        config = dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, name="native"))
+    dist_ctx = init_distributed()
+    logger = get_logger(dist_ctx.rank)
+    try:
+        with user_errors():
+            pctx = build.build_context(config, dist_ctx)
+            precision = build.precision_of(config, pctx)
+            family, hyper = build.policy_hyper(config)
+            step = 0
+            if checkpoint_path is not None:
+                step = _check_checkpoint(checkpoint_path, family.name, hyper, build.lora_record(config, family))
+            text, decoder = build.build_text_and_vae(config, family, hyper, dist_ctx.device)
+            parts = build.build_policy_parts(config, pctx, precision)
+            if checkpoint_path is not None:
+                checkpoint.load_checkpoint(checkpoint_path, model=parts.policy, optimizer=parts.optimizer,
+                                           lr_scheduler=parts.lr_scheduler, ema=parts.ema, layout=parts.tp_layout,
+                                           same_layout=False, warn=logger.warning)
+                logger.info("evaluating %s (step %d)", checkpoint_path, step)
+            rewards = build.scoring_reward(lambda: eval_rewards(config, None), pctx)
+            forward = fp8_precision(parts.policy) if config.model.fp8 else None
+            evaluator = Evaluator(config, parts=parts, pctx=pctx, text_encoder=text, decoder=decoder,
+                                  rewards=rewards, forward_context=forward)
+            return evaluator.evaluate(step)
+    finally:
+        destroy_parallel_context()
+        shutdown(dist_ctx)
