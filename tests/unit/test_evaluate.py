@@ -1,0 +1,166 @@
+"""Evaluation: the deterministic eval rollout against an Euler loop written here, its fixed noise, the statistics,
+``leangrpo-eval`` on a checkpoint and on a converted diffusers directory, and ``eval.jsonl`` on resume."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from leangrpo_mcore.cli.convert import main as convert_main
+from leangrpo_mcore.cli.eval import main as eval_main
+from leangrpo_mcore.cli.train import main as train_main
+from leangrpo_mcore.config import load_config
+from leangrpo_mcore.diffusion.seeding import derive_seed, eval_inputs
+from leangrpo_mcore.diffusion.sigmas import get_sigmas
+from leangrpo_mcore.engine import build
+from leangrpo_mcore.engine.eval_run import evaluate_model
+from leangrpo_mcore.engine.evaluate import reward_summary
+from leangrpo_mcore.engine.launch import init_distributed, shutdown
+from leangrpo_mcore.engine.run_dir import RunDir, prepare
+from leangrpo_mcore.parallel.mesh import destroy_parallel_context
+from leangrpo_mcore.rl.rewards import REWARDS, register_reward
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
+SMOOTH = "eval.rewards=[{name: mean_intensity_for_eval_tests}]"
+EVAL = ("eval.num_prompts=3", "eval.samples_per_prompt=2", "eval.seed=7", SMOOTH)
+
+if "mean_intensity_for_eval_tests" not in REWARDS:
+    @register_reward("mean_intensity_for_eval_tests")
+    def _mean_intensity(images, prompts):
+        """Mean pixel intensity: continuous in the pixels, so rounding shows as rounding (not a JPEG byte)."""
+        return images.mean(dim=(1, 2, 3))
+
+
+def test_eval_noise_depends_only_on_seed_prompt_and_sample():
+    init, seeds = eval_inputs(3, [0, 1, 2], [1, 0, 1], (4, 8), 5)
+    alone, alone_seeds = eval_inputs(3, [1], [0], (4, 8), 5)
+    assert torch.equal(init[1], alone[0]) and torch.equal(seeds[1], alone_seeds[0])
+    expected = torch.randn((4, 8), generator=torch.Generator().manual_seed(derive_seed(3, "eval_noise", 0, 2, 1)))
+    assert torch.equal(init[2], expected)
+    assert not torch.equal(init[0], init[2])  # samples differ
+    assert not torch.equal(eval_inputs(4, [0], [1], (4, 8), 5)[0][0], init[0])  # and so do seeds
+
+
+def test_reward_summary_is_the_formula():
+    values = np.array([[1.0, 3.0], [2.0, 6.0]])
+    stats = reward_summary(values)
+    assert stats["per_prompt"] == [2.0, 4.0]
+    assert stats["mean"] == 3.0 and stats["min"] == 1.0 and stats["max"] == 6.0
+    assert stats["std"] == pytest.approx(((4 + 0 + 1 + 9) / 4) ** 0.5)
+
+
+def _reference_rewards(config) -> list[list[float]]:
+    """The eval rewards computed here: the tiny policy's velocity stepped by x + v (s' - s), written out."""
+    dist_ctx = init_distributed()
+    try:
+        pctx = build.build_context(config, dist_ctx)
+        family, hyper = build.policy_hyper(config)
+        text, decoder = build.build_text_and_vae(config, family, hyper, dist_ctx.device)
+        parts = build.build_policy_parts(config, pctx, build.precision_of(config, pctx))
+        velocity = build.build_velocity(config, parts, pctx, cfg_scale=1.0)
+        shape = build.policy_latent_shape(config, parts.policy, family)
+        sigmas = get_sigmas("flux", config.eval.num_steps or config.sampler.num_steps, image_seq_len=shape[0])
+        prompts = build.PromptDataset.from_source(config.data.prompts).prompts[:3]
+        out = []
+        for i, prompt in enumerate(prompts):
+            row = []
+            for j in range(2):
+                gen = torch.Generator().manual_seed(derive_seed(7, "eval_noise", 0, i, j))
+                x = torch.randn(shape, generator=gen).unsqueeze(0)
+                cond = text.encode([prompt])
+                with torch.no_grad():
+                    for t in range(sigmas.numel() - 1):
+                        v = velocity(x, sigmas[t].expand(1), cond)
+                        x = x + v * (sigmas[t + 1] - sigmas[t])
+                    images = decoder.decode(x, height=config.sampler.height, width=config.sampler.width).images
+                row.append(float(images.mean()))
+            out.append(row)
+        return out
+    finally:
+        destroy_parallel_context()
+        shutdown(dist_ctx)
+
+
+def test_eval_rollout_is_the_euler_ode_of_the_policy():
+    config = load_config(TINY_FLUX, list(EVAL))
+    result = evaluate_model(config)
+    reference = np.array(_reference_rewards(config))
+    stats = result.rewards["mean_intensity_for_eval_tests"]
+    np.testing.assert_allclose(stats["per_prompt"], reference.mean(axis=1), rtol=1e-5)
+    assert stats["min"] == pytest.approx(reference.min(), rel=1e-5)
+    assert stats["max"] == pytest.approx(reference.max(), rel=1e-5)
+    assert result.num_prompts == 3 and result.samples_per_prompt == 2 and len(result.samples) == 6
+    # more steps is a different rollout: the step count reaches the sampler
+    more = evaluate_model(load_config(TINY_FLUX, [*EVAL, "eval.num_steps=5"]))
+    assert more.rewards["mean_intensity_for_eval_tests"]["mean"] != pytest.approx(stats["mean"], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny FLUX run of 2 steps that evaluates before training and after each step."""
+    run = tmp_path_factory.mktemp("eval") / "run"
+    torch.set_num_threads(1)
+    assert train_main(["--config", TINY_FLUX, f"train.output_dir={run}", "train.max_steps=2", *EVAL,
+                       "eval.every=1", "eval.before_train=true"]) == 0
+    return run
+
+
+def test_training_run_writes_eval_rows_grids_and_tensorboard(trained):
+    rows = [json.loads(line) for line in (trained / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        stats = row["rewards"]["mean_intensity_for_eval_tests"]
+        assert set(stats) >= {"mean", "std", "min", "max", "per_prompt"} and len(stats["per_prompt"]) == 3
+        assert stats["min"] <= stats["mean"] <= stats["max"]
+    assert rows[0]["rewards"] != rows[2]["rewards"]  # the policy moved
+    assert {f"eval_step_{n}.png" for n in range(3)} <= set(p.name for p in (trained / "samples").iterdir())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(trained / "tensorboard"))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert "eval/mean_intensity_for_eval_tests/mean" in scalars
+    logged = [e.value for e in events.Scalars("eval/mean_intensity_for_eval_tests/mean")]
+    assert logged == pytest.approx([r["rewards"]["mean_intensity_for_eval_tests"]["mean"] for r in rows], rel=1e-6)
+
+
+def test_leangrpo_eval_of_a_checkpoint_and_of_its_converted_directory(trained, tmp_path, capsys):
+    rows = [json.loads(line) for line in (trained / "eval.jsonl").read_text().splitlines()]
+    out = tmp_path / "eval.json"
+    assert eval_main(["--config", str(trained / "config.yaml"), "--checkpoint", str(trained / "checkpoints" / "step_2"),
+                      "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mean_intensity_for_eval_tests" in printed and "step 2: 3 prompts x 2 samples" in printed
+    result = json.loads(out.read_text())
+    assert result["step"] == 2
+    assert result["rewards"] == rows[2]["rewards"]  # the training run's own evaluation of those weights
+    export = tmp_path / "export"
+    assert convert_main(["mcore-to-diffusers", "--src", str(trained / "checkpoints" / "step_2"),
+                         "--dst", str(export)]) == 0
+    converted = tmp_path / "converted.json"
+    assert eval_main(["--config", str(trained / "config.yaml"), f"model.path={export}", "--out", str(converted)]) == 0
+    stats = json.loads(converted.read_text())["rewards"]["mean_intensity_for_eval_tests"]
+    np.testing.assert_allclose(stats["per_prompt"], rows[2]["rewards"]["mean_intensity_for_eval_tests"]["per_prompt"],
+                               rtol=1e-6)
+
+
+def test_leangrpo_eval_bad_input_is_one_line(trained, tmp_path, capsys):
+    assert eval_main(["--config", str(trained / "config.yaml"), "--checkpoint", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --checkpoint: no such directory")
+    assert eval_main(["--config", TINY_FLUX, "model.preset=flux-tiny", "model.arch={num_layers: 2}",
+                      "--checkpoint", str(trained / "checkpoints" / "step_2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "does not match --config: its model_config" in err[0]
+    assert eval_main(["--config", TINY_FLUX, "eval.rewards=[{name: no_such_reward}]"]) == 2
+    assert "unknown reward 'no_such_reward'" in capsys.readouterr().err
+
+
+def test_resume_drops_eval_rows_past_the_checkpoint(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    Path(run.eval_path).write_text("".join(json.dumps({"step": s, "rewards": {}}) + "\n" for s in (0, 2, 4, 6)))
+    prepare(run, "x: 1\n", resume_step=4)
+    assert [json.loads(line)["step"] for line in Path(run.eval_path).read_text().splitlines()] == [0, 2, 4]
