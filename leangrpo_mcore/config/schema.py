@@ -281,7 +281,10 @@ class LoggingConfig:
     """Metrics, samples and progress output."""
 
     sample_every: int = option(0, ge=0)
-    """Write samples/step_<N>.png every N steps (0: only the last step)."""
+    """Write samples/step_<N>.png every N steps (0: only the last step); a video policy (sampler.frames > 1)
+    also writes samples/step_<N>.mp4."""
+    video_fps: int = option(8, ge=1)
+    """Frames per second of the video sample grids (samples/step_<N>.mp4, also logged to wandb)."""
     tensorboard: bool = True
     """Write TensorBoard event files under output_dir/tensorboard."""
     progress_bar: bool = True

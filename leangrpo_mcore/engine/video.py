@@ -10,6 +10,7 @@ leaves a truncated video.
 from __future__ import annotations
 
 import os
+from types import ModuleType
 from typing import Sequence
 
 import numpy as np
@@ -19,6 +20,14 @@ from leangrpo_mcore.engine.samples import GridLayout, video_to_uint8
 from leangrpo_mcore.errors import require_extra
 
 CODEC = "libx264"
+
+
+def require_video_extra() -> ModuleType:
+    """``imageio.v3``, after checking that imageio-ffmpeg (which ships ffmpeg) is there too; a one-line
+    UserError naming the ``video`` extra otherwise."""
+    imageio = require_extra("imageio.v3", "video", "writing video samples")
+    require_extra("imageio_ffmpeg", "video", "writing video samples")
+    return imageio
 
 
 def video_grid_frames(videos: np.ndarray, prompts: Sequence[str], rewards: Sequence[float], *,
@@ -42,8 +51,7 @@ def write_video_grid(path: str, videos: np.ndarray, prompts: Sequence[str], rewa
 
     A missing imageio or imageio-ffmpeg is a one-line UserError naming the ``video`` extra.
     """
-    imageio = require_extra("imageio.v3", "video", "writing video samples")
-    require_extra("imageio_ffmpeg", "video", "writing video samples")
+    imageio = require_video_extra()
     if fps < 1:
         raise ValueError(f"video fps must be >= 1, got {fps}")
     frames = video_grid_frames(videos, prompts, rewards, columns=columns)

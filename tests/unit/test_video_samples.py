@@ -1,19 +1,24 @@
 """Video sample grids: an H.264 mp4 that decodes back to the input frames, laid out as the PNG grid."""
 
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from leangrpo_mcore.cli.train import main as train_main
 from leangrpo_mcore.engine import samples
 from leangrpo_mcore.engine.video import save_video_grid
 from leangrpo_mcore.errors import UserError
 
 iio = pytest.importorskip("imageio.v3", reason="the 'video' extra is not installed")
 pytest.importorskip("imageio_ffmpeg", reason="the 'video' extra is not installed")
+
+TINY_WAN = str(Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny" / "wan.yaml")
 
 
 def _smooth_videos(batch: int, frames: int, height: int, width: int) -> torch.Tensor:
@@ -81,3 +86,55 @@ def test_missing_video_extra_is_one_line(tmp_path, monkeypatch):
         save_video_grid(str(tmp_path / "v.mp4"), torch.rand(1, 3, 1, 8, 8), ["a"], [0.0])
     assert str(info.value) == "writing video samples needs the 'video' extra: pip install 'leangrpo_mcore[video]'"
     assert not (tmp_path / "v.mp4").exists()
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """wandb offline under tmp_path/wandb_files, no reachable network, one intra-op thread."""
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_files"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb_files").mkdir()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tmp_path / "wandb_files"
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb (the 'wandb' extra) is not installed")
+def test_tiny_wan_run_writes_an_mp4_next_to_the_png(offline_wandb, tmp_path):
+    from tests.unit.test_wandb_log import _history, _run_files
+
+    run = tmp_path / "run"
+    code = train_main(["--config", TINY_WAN, f"train.output_dir={run}", "train.max_steps=1", "sampler.frames=5",
+                       "logging.tensorboard=false", "logging.video_fps=6",
+                       "logging.wandb={project: tests, mode: offline}"])
+    assert code == 0
+    assert sorted(os.listdir(run / "samples")) == ["step_1.mp4", "step_1.png"]
+    png = np.asarray(Image.open(run / "samples" / "step_1.png").convert("RGB")).astype(np.float64)
+    video = iio.imread(str(run / "samples" / "step_1.mp4"))
+    # group_size 2 x prompts_per_step 2 = 4 generations of 32 x 32 pixels x 5 frames in one row.
+    assert video.shape == (5, 128 + 40 + 4, 4 * (128 + 4), 3) and png.shape == video.shape[1:]
+    assert iio.immeta(str(run / "samples" / "step_1.mp4"))["fps"] == 6
+    # Frame 0 of the mp4 (the decoded video) shows what the PNG (the decoded first frames) shows.
+    first, tiles = _tiles(video[0], 4, 4, 32), _tiles(png.astype(np.uint8), 4, 4, 32)
+    assert np.abs(first - tiles).mean() < 8
+    (path,) = _run_files(offline_wandb)
+    _, rows = _history(path)
+    (logged,) = [row for row in rows if "samples_video/_type" in row]
+    assert logged["samples_video/_type"] == "video-file" and logged["_step"] == 1
+    assert logged["samples_video/path"].endswith(".mp4")
+
+
+def test_run_dir_names_train_and_eval_samples(tmp_path):
+    from leangrpo_mcore.engine.run_dir import RunDir
+
+    run = RunDir(str(tmp_path))
+    assert run.sample_path(3) == os.path.join(str(tmp_path), "samples", "step_3.png")
+    assert run.video_path(3) == os.path.join(str(tmp_path), "samples", "step_3.mp4")
+    assert run.sample_path(40, prefix="eval_step") == os.path.join(str(tmp_path), "samples", "eval_step_40.png")
+    assert run.video_path(40, prefix="eval_step") == os.path.join(str(tmp_path), "samples", "eval_step_40.mp4")
+    with pytest.raises(ValueError, match="plain name"):
+        run.video_path(1, prefix="../step")
