@@ -302,7 +302,10 @@ class DataConfig:
     """Prompts."""
 
     prompts: str = "builtin"
-    """Prompt source: 'builtin' (a small demo set) or a .txt (one per line) / .jsonl ({"prompt": ...}) file."""
+    """Prompt source: 'builtin' (a small demo set), a .txt (one per line) / .jsonl ({"prompt": ...}) file, or a
+    directory in FlowGRPO's dataset layout: train.txt / test.txt (pickscore, drawbench) or train_metadata.jsonl /
+    test_metadata.jsonl (geneval, ocr; a line's other fields are kept as the prompt's metadata). Training reads
+    the train split; evaluation defaults to the test split where the directory has one, else these prompts."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (deterministically from train.seed)."""
 

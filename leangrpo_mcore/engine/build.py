@@ -247,7 +247,7 @@ def _reward(config: Config) -> ValidatedReward:
 def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict, device: torch.device) -> DataParts:
     """Prompt dataset and sampler, text encoder, VAE decoder and reward for a policy of ``diffusers_config``."""
     m, s, fam = config.model, config.sampler, family.name
-    dataset = PromptDataset.from_source(config.data.prompts)
+    dataset = PromptDataset.from_source(config.data.prompts, split="train")
     sampler = PromptSampler(len(dataset), config.grpo.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     max_length = HASHED_TEXT_LENGTH if m.text_encoder == "hashed" else m.text_max_length
