@@ -34,9 +34,9 @@ def _smooth_videos(batch: int, frames: int, height: int, width: int) -> torch.Te
 
 
 def _tiles(frame: np.ndarray, count: int, cols: int, size: int) -> np.ndarray:
-    """The (count, size, size, 3) samples of a decoded grid frame, undoing the layout independently: tiles of
-    128 // size * size pixels every tile + 4 pixels (plus 3 caption lines of 12 and a 4-pixel gap in height),
-    each pixel block averaged back to one sample pixel."""
+    """The (count, size, size, 3) samples of a decoded grid frame, undoing the layout independently: each sample
+    is upscaled by ceil(128 / size) into a tile, tiles sit 4 pixels apart (and 3 caption lines of 12 pixels plus
+    4 apart in height) from a 2-pixel margin, and each upscaled block is averaged back to one sample pixel."""
     scale = -(-128 // size)
     cell = size * scale
     out = []
@@ -51,7 +51,7 @@ def _tiles(frame: np.ndarray, count: int, cols: int, size: int) -> np.ndarray:
 def test_mp4_grid_decodes_to_the_input_frames(tmp_path):
     videos = _smooth_videos(2, 5, 32, 32)  # (2, 3, 5, 32, 32)
     path = str(tmp_path / "samples" / "step_1.mp4")
-    frames = save_video_grid(path, videos, ["a red ramp", "a green ramp"], [0.5, -1.0], fps=8, columns=4)
+    frames = save_video_grid(path, videos, ["a ramp", "a greener ramp"], [0.5, -1.0], fps=8, columns=4)
     assert os.listdir(tmp_path / "samples") == ["step_1.mp4"]  # the temporary file was renamed
     decoded = iio.imread(path)
     # 2 samples side by side: 128-pixel tiles (32 px upscaled 4x) with 4-pixel gaps and a 40-pixel caption band.
@@ -138,3 +138,13 @@ def test_run_dir_names_train_and_eval_samples(tmp_path):
     assert run.video_path(40, prefix="eval_step") == os.path.join(str(tmp_path), "samples", "eval_step_40.mp4")
     with pytest.raises(ValueError, match="plain name"):
         run.video_path(1, prefix="../step")
+
+
+def test_video_run_without_the_extra_stops_before_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # as if the extra were not installed
+    code = train_main(["--config", TINY_WAN, f"train.output_dir={tmp_path / 'run'}", "sampler.frames=5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: writing video samples needs the 'video' extra: pip install 'leangrpo_mcore[video]'"]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
