@@ -281,7 +281,10 @@ class LoggingConfig:
     """Metrics, samples and progress output."""
 
     sample_every: int = option(0, ge=0)
-    """Write samples/step_<N>.png every N steps (0: only the last step)."""
+    """Write samples/step_<N>.png every N steps (0: only the last step); a video policy (sampler.frames > 1)
+    also writes samples/step_<N>.mp4."""
+    video_fps: int = option(8, ge=1)
+    """Frames per second of the video sample grids (samples/step_<N>.mp4, also logged to wandb)."""
     tensorboard: bool = True
     """Write TensorBoard event files under output_dir/tensorboard."""
     progress_bar: bool = True
@@ -299,7 +302,10 @@ class DataConfig:
     """Prompts."""
 
     prompts: str = "builtin"
-    """Prompt source: 'builtin' (a small demo set) or a .txt (one per line) / .jsonl ({"prompt": ...}) file."""
+    """Prompt source: 'builtin' (a small demo set), a .txt (one per line) / .jsonl ({"prompt": ...}) file, or a
+    directory in FlowGRPO's dataset layout: train.txt / test.txt (pickscore, drawbench) or train_metadata.jsonl /
+    test_metadata.jsonl (geneval, ocr; a line's other fields are kept as the prompt's metadata). Training reads
+    the train split; evaluation defaults to the test split where the directory has one, else these prompts."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (deterministically from train.seed)."""
 

@@ -1,11 +1,15 @@
 """Prompt datasets and the deterministic prompt sampler of a GRPO run.
 
 A :class:`PromptDataset` holds the prompt texts (and, for JSONL sources, every other field of a line as
-metadata). A :class:`PromptSampler` decides which prompts each optimizer step trains on: ``prompts_per_step``
-dataset indices per step, each of which the layout code expands into ``grpo.group_size`` generations (the
-"K-repeat" of FlowGRPO's sampler). The order depends only on ``(seed, epoch)``, never on the rank or the world
-size, so every rank computes the same indices without communication; the position ``(epoch, offset)`` is the
-whole state, so a resumed run continues with exactly the prompts an uninterrupted run would have used.
+metadata). Its source is ``builtin``, a .txt (one prompt per line) or .jsonl (``{"prompt": ..., ...}`` per line)
+file, or a directory in FlowGRPO's dataset layout, one file per split: ``<split>.txt`` (pickscore, drawbench) or
+``<split>_metadata.jsonl`` (geneval, ocr).
+
+A :class:`PromptSampler` decides which prompts each optimizer step trains on: ``prompts_per_step`` dataset
+indices per step, each of which the layout code expands into ``grpo.group_size`` generations (the "K-repeat" of
+FlowGRPO's sampler). The order depends only on ``(seed, epoch)``, never on the rank or the world size, so every
+rank computes the same indices without communication; the position ``(epoch, offset)`` is the whole state, so a
+resumed run continues with exactly the prompts an uninterrupted run would have used.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from leangrpo_mcore.errors import UserError
 
 BUILTIN = "builtin"
 _BUILTIN_FILE = "builtin_prompts.txt"
+TRAIN_SPLIT = "train"
+TEST_SPLIT = "test"
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,42 @@ def _parse_jsonl(text: str, source: str) -> list[PromptRecord]:
     return records
 
 
+def split_files(split: str) -> tuple[str, str]:
+    """The file names a prompt directory may hold for ``split``: ``<split>.txt`` and ``<split>_metadata.jsonl``."""
+    if not split or "/" in split or "\\" in split or split.startswith("."):
+        raise ValueError(f"prompt split must be a plain name such as 'train' or 'test', got {split!r}")
+    return f"{split}.txt", f"{split}_metadata.jsonl"
+
+
+def _split_file(directory: Path, split: str) -> Path | None:
+    """The file of ``split`` in ``directory``, None when it has none; UserError when it has both kinds."""
+    found = [directory / name for name in split_files(split) if (directory / name).is_file()]
+    if len(found) > 1:
+        raise UserError(f"prompt directory {directory} holds both {found[0].name} and {found[1].name} for the "
+                        f"'{split}' split: keep one")
+    return found[0] if found else None
+
+
+def has_split(source: str | Path, split: str) -> bool:
+    """Whether ``source`` is a directory holding a file of ``split`` (False for ``builtin`` and for files)."""
+    if str(source) == BUILTIN:
+        return False
+    directory = Path(source)
+    return directory.is_dir() and any((directory / name).is_file() for name in split_files(split))
+
+
+def eval_source(data_prompts: str) -> tuple[str, str]:
+    """``(source, split)`` of the evaluation prompts when only ``data.prompts`` is given.
+
+    The test split of ``data.prompts`` where it is a directory holding one (``test.txt`` or
+    ``test_metadata.jsonl``); otherwise the training prompts themselves (a file or ``builtin`` reads the same
+    whatever the split, a directory without a test file gives its train split).
+    """
+    if has_split(data_prompts, TEST_SPLIT):
+        return data_prompts, TEST_SPLIT
+    return data_prompts, TRAIN_SPLIT
+
+
 class PromptDataset:
     """An ordered, immutable list of prompts with per-prompt metadata."""
 
@@ -77,15 +119,28 @@ class PromptDataset:
             raise UserError(f"prompt source {source} has no prompts")
 
     @classmethod
-    def from_source(cls, source: str | Path, split: str = "train") -> PromptDataset:
-        """``'builtin'`` (the demo set shipped with the package) or a .txt / .jsonl file path."""
+    def from_source(cls, source: str | Path, split: str = TRAIN_SPLIT) -> PromptDataset:
+        """``'builtin'`` (the demo set shipped with the package), a .txt / .jsonl file path, or a directory in
+        FlowGRPO's layout, of which ``split``'s file is read (``<split>.txt`` or ``<split>_metadata.jsonl``).
+
+        ``split`` applies to directories only: ``builtin`` and a file read the same whatever the split. A
+        directory without the split's file, or with both, is a UserError.
+        """
+        text_name, jsonl_name = split_files(split)
         if str(source) == BUILTIN:
             text = resources.files("leangrpo_mcore.data").joinpath(_BUILTIN_FILE).read_text(encoding="utf-8")
             return cls(_parse_txt(text), source=BUILTIN)
         path = Path(source)
+        if path.is_dir():
+            found = _split_file(path, split)
+            if found is None:
+                raise UserError(f"prompt directory {path} has no '{split}' split: expected {text_name} or "
+                                f"{jsonl_name} in it (FlowGRPO's dataset layout)")
+            path = found
         suffix = path.suffix.lower()
         if suffix not in (".txt", ".jsonl"):
-            raise UserError(f"prompt file {path} must end in .txt or .jsonl (or use data.prompts=builtin)")
+            raise UserError(f"prompt file {path} must end in .txt or .jsonl, or be a directory holding "
+                            f"{text_name} or {jsonl_name} (or use data.prompts=builtin)")
         text = _read_text(path)
         records = _parse_txt(text) if suffix == ".txt" else _parse_jsonl(text, str(path))
         return cls(records, source=str(path))
@@ -101,19 +156,25 @@ class PromptDataset:
         """All prompt texts, in dataset order."""
         return [r.prompt for r in self.records]
 
-    def metadata(self, index: int) -> dict[str, Any]:
-        """The extra JSONL fields of prompt ``index`` (a copy; empty for .txt sources)."""
-        return dict(self.records[index].metadata)
+    def metadata(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """The extra JSONL fields of the prompts at ``indices``, in that order (copies; empty for .txt sources)."""
+        return [dict(self.records[i].metadata) for i in indices]
 
     def get(self, indices: Sequence[int]) -> list[str]:
         """The prompt texts at ``indices``, in that order."""
         return [self.records[i].prompt for i in indices]
 
     def fingerprint(self) -> str:
-        """A stable hash of the prompt texts, stored with the sampler state to detect a changed dataset."""
+        """A stable hash of the records (prompt texts and metadata), to detect a changed dataset.
+
+        A record without metadata hashes its text only, so a .txt source keeps the hash it always had.
+        """
         digest = hashlib.blake2b(digest_size=16)
         for record in self.records:
             digest.update(record.prompt.encode("utf-8") + b"\0")
+            if record.metadata:
+                fields = json.dumps(record.metadata, sort_keys=True, ensure_ascii=False, default=str)
+                digest.update(b"\1" + fields.encode("utf-8") + b"\0")
         return digest.hexdigest()
 
 
@@ -197,7 +258,3 @@ class PromptSampler:
         if epoch < 0 or not 0 <= offset < self.num_prompts:
             raise UserError(f"prompt sampler state has an invalid position (epoch={epoch}, offset={offset})")
         self.epoch, self.offset = epoch, offset
-
-
-def eval_source(source):  # placeholder until the split-aware loader lands
-    return source, "test"

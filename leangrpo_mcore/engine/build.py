@@ -273,7 +273,7 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
                      pctx: Optional[ParallelContext] = None) -> DataParts:
     """Prompt dataset and sampler, text encoder, VAE decoder and reward for a policy of ``diffusers_config`` (the
     reward only on the ranks that score under ``pctx``; every rank without one)."""
-    dataset = PromptDataset.from_source(config.data.prompts)
+    dataset = PromptDataset.from_source(config.data.prompts, split="train")
     sampler = PromptSampler(len(dataset), config.grpo.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     text, decoder = build_text_and_vae(config, family, diffusers_config, device)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -32,7 +31,8 @@ from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, rollout_tog
 from leangrpo_mcore.diffusion.seeding import eval_inputs
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.engine import build
-from leangrpo_mcore.engine.samples import save_grid, to_uint8
+from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
+from leangrpo_mcore.engine.video import write_video_grid
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
 from leangrpo_mcore.parallel.mesh import ParallelContext
@@ -211,7 +211,7 @@ class Evaluator:
         values = {name: reward(decoded.images, prompts).double().tolist() for name, reward in self.rewards.items()}
         first = next(iter(values))
         images = to_uint8(decoded.images)
-        videos = None if decoded.video is None else to_uint8_video(decoded.video)
+        videos = None if decoded.video is None else video_to_uint8(decoded.video)
         out = []
         for row, (i, j) in enumerate(pairs):
             index = i * self.samples_per_prompt + j
@@ -261,16 +261,15 @@ class Evaluator:
                           num_prompts=shape[0], samples_per_prompt=shape[1], time_s=seconds, samples=samples)
 
 
-def to_uint8_video(videos: torch.Tensor) -> np.ndarray:
-    """(B, 3, F, H, W) float in [0, 1] -> (B, F, H, W, 3) uint8."""
-    pixels = torch.nan_to_num(videos.detach().float(), nan=0.0).clamp(0.0, 1.0)
-    return (pixels * 255.0).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu().numpy()
-
-
-def write_eval_grid(run_dir, step: int, samples: list[tuple], metrics, reward_name: str) -> None:
+def write_eval_grid(run_dir, step: int, samples: list[tuple], metrics, *, fps: int) -> None:
     """``samples/eval_step_<N>.png`` (first frames; also to TensorBoard and wandb as ``eval/samples``) and, for
-    video policies, ``samples/eval_step_<N>.mp4``; captions carry the first eval reward (``reward_name``)."""
+    video policies, ``samples/eval_step_<N>.mp4`` (wandb: ``eval/samples_video``); each sample is captioned with
+    its prompt and its value of the first eval reward."""
     images = torch.stack([torch.from_numpy(s[0]).permute(2, 0, 1) for s in samples]).float() / 255.0
     prompts, values = [s[1] for s in samples], [s[2] for s in samples]
-    grid = save_grid(os.path.join(run_dir.samples_dir, f"eval_step_{step}.png"), images, prompts, values)
+    grid = save_grid(run_dir.sample_path(step, prefix="eval_step"), images, prompts, values)
     metrics.add_image("eval/samples", np.asarray(grid), step)
+    if all(s[3] is not None for s in samples):
+        path = run_dir.video_path(step, prefix="eval_step")
+        write_video_grid(path, np.stack([s[3] for s in samples]), prompts, values, fps=fps)
+        metrics.add_video("eval/samples_video", path, step, fps)

@@ -94,6 +94,11 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log_image(tag, image_hwc_uint8, step)
 
+    def add_video(self, tag: str, path: str, step: int, fps: int) -> None:
+        """Log the mp4 file at ``path`` to wandb (TensorBoard shows the PNG grid of first frames instead)."""
+        if self._wandb is not None:
+            self._wandb.log_video(tag, path, step, fps)
+
     def close(self) -> None:
         """Flush and close the files."""
         if self._file is not None:

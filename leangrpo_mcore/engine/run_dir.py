@@ -6,7 +6,8 @@ Layout::
       config.yaml            the resolved config of the latest launch
       metrics.jsonl          one JSON object per optimizer step
       checkpoints/step_<N>/  complete checkpoints (``step_<N>.tmp-*`` are unfinished writes, never resumed)
-      samples/step_<N>.png   image grids captioned with prompt and reward
+      samples/step_<N>.png   image grids captioned with prompt and reward (the first frame of a video)
+      samples/step_<N>.mp4   video grids of the same samples (policies with sampler.frames > 1)
       tensorboard/           event files
       wandb_run_id, wandb/   the wandb run's id and files (with logging.wandb; WANDB_DIR moves the files)
 
@@ -59,7 +60,7 @@ class RunDir:
 
     @property
     def samples_dir(self) -> str:
-        """Parent of the step_<N>.png sample grids."""
+        """Parent of the step_<N>.png / .mp4 sample grids."""
         return os.path.join(self.root, "samples")
 
     @property
@@ -71,15 +72,26 @@ class RunDir:
         """Directory of the checkpoint of ``step``."""
         return os.path.join(self.checkpoints_dir, f"step_{step}")
 
-    def sample_path(self, step: int) -> str:
-        """Image grid of ``step``."""
-        return os.path.join(self.samples_dir, f"step_{step}.png")
+    def sample_path(self, step: int, prefix: str = "step") -> str:
+        """Image grid of ``step``: ``samples/<prefix>_<step>.png`` (e.g. ``prefix="eval_step"`` for evaluations)."""
+        return os.path.join(self.samples_dir, sample_name(step, prefix, "png"))
+
+    def video_path(self, step: int, prefix: str = "step") -> str:
+        """Video grid of ``step``: ``samples/<prefix>_<step>.mp4``."""
+        return os.path.join(self.samples_dir, sample_name(step, prefix, "mp4"))
 
     def existing_checkpoints(self) -> list[str]:
         """Names of every checkpoint entry, complete or not (``step_<N>`` and ``step_<N>.tmp-*``), sorted."""
         if not os.path.isdir(self.checkpoints_dir):
             return []
         return sorted(name for name in os.listdir(self.checkpoints_dir) if STEP_ANY.match(name))
+
+
+def sample_name(step: int, prefix: str, extension: str) -> str:
+    """The file name of a sample grid: ``<prefix>_<step>.<extension>``."""
+    if not prefix or os.sep in prefix or "." in prefix:
+        raise ValueError(f"sample prefix must be a plain name without '.' or '{os.sep}', got {prefix!r}")
+    return f"{prefix}_{int(step)}.{extension}"
 
 
 def check_fresh_run(run_dir: RunDir, *, overwrite: bool = False) -> None:

@@ -1,6 +1,7 @@
 """Sample grids: generated images side by side, each captioned with its prompt and reward (PIL).
 
-Video samples are shown by their first frame. Images are float tensors in [0, 1]; the grid is written through a
+Video samples are shown by their first frame here; :mod:`leangrpo_mcore.engine.video` writes the whole clip,
+one :class:`GridLayout` frame per video frame. Images are float tensors in [0, 1]; the grid is written through a
 temporary file and a rename, so a killed run never leaves a truncated PNG.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import textwrap
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -17,6 +19,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 CAPTION_LINES = 3
 _LINE_HEIGHT = 12
+_GAP = 4
 
 
 def first_frames(images: torch.Tensor) -> torch.Tensor:
@@ -34,6 +37,14 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return (pixels * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
 
+def video_to_uint8(videos: torch.Tensor) -> np.ndarray:
+    """(B, 3, F, H, W) float in [0, 1] -> (B, F, H, W, 3) uint8; NaN becomes 0."""
+    if videos.ndim != 5 or videos.shape[1] != 3:
+        raise ValueError(f"videos must be (B, 3, F, H, W), got {tuple(videos.shape)}")
+    pixels = torch.nan_to_num(videos.detach().float(), nan=0.0).clamp(0.0, 1.0)
+    return (pixels * 255.0).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu().numpy()
+
+
 def _caption(prompt: str, reward: float, width_chars: int) -> list[str]:
     lines = textwrap.wrap(prompt, width=max(width_chars, 8)) or [""]
     lines = lines[: CAPTION_LINES - 1]
@@ -41,33 +52,63 @@ def _caption(prompt: str, reward: float, width_chars: int) -> list[str]:
     return lines
 
 
+@dataclass(frozen=True)
+class GridLayout:
+    """Where each sample of a grid goes: a white canvas with every caption drawn, and the tiles' corners.
+
+    The captions are drawn once; :meth:`render` pastes one frame per sample onto a copy, so that the PNG grid
+    and every frame of the video grid share one layout.
+    """
+
+    background: Image.Image
+    """The canvas with the captions and empty tiles."""
+    origins: tuple[tuple[int, int], ...]
+    """(x, y) of each sample's tile, in sample order."""
+    cell: tuple[int, int]
+    """(width, height) of a tile in pixels (the sample upscaled by a whole factor)."""
+
+    @classmethod
+    def build(cls, count: int, height: int, width: int, prompts: Sequence[str], rewards: Sequence[float], *,
+              columns: int = 4) -> GridLayout:
+        """The layout of ``count`` samples of ``height`` x ``width`` pixels, ``columns`` per row."""
+        if len(prompts) != count or len(rewards) != count:
+            raise ValueError(f"sample grid: {count} images but {len(prompts)} prompts and {len(rewards)} rewards")
+        if count == 0:
+            raise ValueError("a sample grid needs at least one image")
+        # Tiny CPU samples are upscaled so that the caption is readable next to them.
+        scale = max(1, math.ceil(128 / max(width, 1)))
+        cell_w, cell_h = width * scale, height * scale
+        cols = max(1, min(columns, count))
+        rows = math.ceil(count / cols)
+        caption_h = CAPTION_LINES * _LINE_HEIGHT + _GAP
+        canvas = Image.new("RGB", (cols * (cell_w + _GAP), rows * (cell_h + caption_h + _GAP)), "white")
+        draw = ImageDraw.Draw(canvas)
+        font = ImageFont.load_default()
+        origins = []
+        for i in range(count):
+            x = (i % cols) * (cell_w + _GAP) + _GAP // 2
+            y = (i // cols) * (cell_h + caption_h + _GAP) + _GAP // 2
+            origins.append((x, y))
+            for k, line in enumerate(_caption(str(prompts[i]), float(rewards[i]), cell_w // 6)):
+                draw.text((x, y + cell_h + 2 + k * _LINE_HEIGHT), line, fill="black", font=font)
+        return cls(canvas, tuple(origins), (cell_w, cell_h))
+
+    def render(self, frames: np.ndarray) -> Image.Image:
+        """The grid of one frame per sample: ``frames`` (B, H, W, 3) uint8."""
+        if frames.shape[0] != len(self.origins):
+            raise ValueError(f"sample grid: layout of {len(self.origins)} samples, got {frames.shape[0]} frames")
+        canvas = self.background.copy()
+        for frame, origin in zip(frames, self.origins):
+            canvas.paste(Image.fromarray(frame).resize(self.cell, Image.NEAREST), origin)
+        return canvas
+
+
 def make_grid(images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[float], *,
               columns: int = 4) -> Image.Image:
     """A PIL image: a grid of the samples, each with its prompt (wrapped) and reward written under it."""
     frames = to_uint8(first_frames(images))
-    count = frames.shape[0]
-    if len(prompts) != count or len(rewards) != count:
-        raise ValueError(f"make_grid: {count} images but {len(prompts)} prompts and {len(rewards)} rewards")
-    if count == 0:
-        raise ValueError("make_grid needs at least one image")
-    height, width = frames.shape[1:3]
-    # Tiny CPU images are upscaled so that the caption is readable next to them.
-    scale = max(1, math.ceil(128 / max(width, 1)))
-    cell_w, cell_h = width * scale, height * scale
-    cols = max(1, min(columns, count))
-    rows = math.ceil(count / cols)
-    caption_h = CAPTION_LINES * _LINE_HEIGHT + 4
-    canvas = Image.new("RGB", (cols * (cell_w + 4), rows * (cell_h + caption_h + 4)), "white")
-    draw = ImageDraw.Draw(canvas)
-    font = ImageFont.load_default()
-    for i in range(count):
-        x = (i % cols) * (cell_w + 4) + 2
-        y = (i // cols) * (cell_h + caption_h + 4) + 2
-        tile = Image.fromarray(frames[i]).resize((cell_w, cell_h), Image.NEAREST)
-        canvas.paste(tile, (x, y))
-        for k, line in enumerate(_caption(str(prompts[i]), float(rewards[i]), cell_w // 6)):
-            draw.text((x, y + cell_h + 2 + k * _LINE_HEIGHT), line, fill="black", font=font)
-    return canvas
+    layout = GridLayout.build(frames.shape[0], frames.shape[1], frames.shape[2], prompts, rewards, columns=columns)
+    return layout.render(frames)
 
 
 def save_grid(path: str, images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[float], *,

@@ -32,14 +32,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from leangrpo_mcore.config import Config, config_to_yaml
+from leangrpo_mcore.data.vae import DecodedImages
 from leangrpo_mcore.engine import build, checkpoint
 from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_error, get_logger, init_distributed,
                                           raise_if_any, shutdown)
 from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_stats
 from leangrpo_mcore.engine.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
-from leangrpo_mcore.engine.samples import save_grid, to_uint8
+from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
 from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, write_eval_grid
 from leangrpo_mcore.engine.step import StepInputs, StepResult
+from leangrpo_mcore.engine.video import require_video_extra, write_video_grid
 from leangrpo_mcore.engine.wandb_log import open_wandb
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.mesh import destroy_parallel_context
@@ -48,6 +50,11 @@ from leangrpo_mcore.rl.rewards import RewardError
 
 SAMPLE_GRID_MAX = 16
 """At most this many generations appear in a sample grid."""
+
+
+def _sample_order(item: tuple) -> tuple:
+    """Sample grids list the generations by prompt id, then prompt text."""
+    return item[3], item[1]
 
 
 class TrainingStopped(UserError):
@@ -93,6 +100,9 @@ class NonFiniteGuard:
 class RewardBridge:
     """The step engine's ``reward_fn``: decode latents, score them, keep sample images, capture reward errors.
 
+    The reward sees the decoded images (the first frame of a video). A captured sample keeps its image as
+    uint8 and, for a video policy (``sampler.frames > 1``), its whole video as uint8 too.
+
     :meth:`submit` does the same in the background (``reward.async_scoring``): one worker thread decodes the
     batches in submission order and hands each to the reward's ``submit``, so that a remote reward's requests
     are in flight while the next batch decodes. Errors and sample images are kept in submission order, so a
@@ -103,6 +113,9 @@ class RewardBridge:
         self.data = data
         self.family = config.model.family
         self.height, self.width = config.sampler.height, config.sampler.width
+        self.keep_video = config.sampler.frames > 1
+        if self.keep_video:
+            require_video_extra()  # on every rank before training, not on rank 0 at the first sample step
         self.error: Optional[str] = None
         self.capture = False
         self._lock = threading.Lock()
@@ -119,7 +132,8 @@ class RewardBridge:
 
     @property
     def samples(self) -> list[tuple]:
-        """(uint8 image, prompt, reward, prompt id) of this step's captured generations, in call order."""
+        """(image, prompt, reward, prompt id, video) of this step's captured generations, in call order: the
+        image (H, W, 3) uint8, the video (F, H, W, 3) uint8 or None (image policies)."""
         with self._lock:
             return [item for index in sorted(self._samples) for item in self._samples[index]]
 
@@ -134,14 +148,16 @@ class RewardBridge:
             if self._error_at is None or index < self._error_at:
                 self.error, self._error_at = message, index
 
-    def _decode(self, final_latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, final_latents: torch.Tensor) -> DecodedImages:
         size = {"height": self.height, "width": self.width} if self.family == "flux" else {}
-        return self.data.decoder.decode(final_latents, **size).images
+        return self.data.decoder.decode(final_latents, **size)
 
-    def _keep(self, index: int, images: torch.Tensor, prompts: list, rewards: torch.Tensor,
+    def _keep(self, index: int, decoded: DecodedImages, prompts: list, rewards: torch.Tensor,
               prompt_ids: torch.Tensor) -> None:
         if self.capture:
-            items = list(zip(to_uint8(images), prompts, rewards.tolist(), prompt_ids.tolist()))
+            videos = ([None] * len(prompts) if not self.keep_video or decoded.video is None
+                      else list(video_to_uint8(decoded.video)))
+            items = list(zip(to_uint8(decoded.images), prompts, rewards.tolist(), prompt_ids.tolist(), videos))
             with self._lock:
                 self._samples[index] = items
 
@@ -151,13 +167,14 @@ class RewardBridge:
         index = self._next_call()
         if self.error is not None:
             return torch.zeros(len(prompts))
-        images = self._decode(final_latents)
+        decoded = self._decode(final_latents)
+        images = decoded.images
         try:
             rewards = self.data.reward(images, prompts)
         except RewardError as err:
             self._failed(index, str(err))
             return torch.zeros(len(prompts))
-        self._keep(index, images, prompts, rewards, prompt_ids)
+        self._keep(index, decoded, prompts, rewards, prompt_ids)
         return rewards
 
     def submit(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> "Future[torch.Tensor]":
@@ -178,7 +195,7 @@ class RewardBridge:
             executor = self._executor
         stream = torch.cuda.current_stream(final_latents.device) if final_latents.is_cuda else None
 
-        def settle(images: torch.Tensor, done: Future) -> None:
+        def settle(decoded: Optional[DecodedImages], done: Future) -> None:
             try:
                 rewards = done.result()
             except RewardError as err:
@@ -189,7 +206,7 @@ class RewardBridge:
                 outer.set_exception(exc)
                 return
             try:
-                self._keep(index, images, prompts, rewards, prompt_ids)
+                self._keep(index, decoded, prompts, rewards, prompt_ids)
             except BaseException as exc:  # noqa: BLE001
                 outer.set_exception(exc)
                 return
@@ -200,7 +217,8 @@ class RewardBridge:
                 # The worker decodes on the caller's device and stream, after the rollout that made the latents.
                 device = contextlib.nullcontext() if stream is None else torch.cuda.device(final_latents.device)
                 with device, (contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
-                    images = self._decode(final_latents)
+                    decoded = self._decode(final_latents)
+                    images = decoded.images
                     submit = getattr(self.data.reward, "submit", None)
                     if callable(submit):
                         scoring = submit(images, prompts)
@@ -210,11 +228,11 @@ class RewardBridge:
             except RewardError as err:
                 scoring = Future()
                 scoring.set_exception(err)
-                images = None
+                decoded = None
             except BaseException as exc:  # noqa: BLE001
                 outer.set_exception(exc)
                 return
-            scoring.add_done_callback(lambda done: settle(images, done))
+            scoring.add_done_callback(lambda done: settle(decoded, done))
 
         executor.submit(decode_and_score)
         return outer
@@ -436,20 +454,26 @@ class Trainer:
         return row
 
     def _write_samples(self, step: int) -> None:
-        local = self.bridge.samples
+        """samples/step_<N>.png (first frames) and, for a video policy, samples/step_<N>.mp4 (rank 0)."""
+        # The grid shows the first SAMPLE_GRID_MAX in this order: no rank needs to send more than that.
+        local = sorted(self.bridge.samples, key=_sample_order)[:SAMPLE_GRID_MAX]
         gathered = [local]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, local)
         if not self.dist.is_main:
             return
-        items = sorted((item for part in gathered for item in part), key=lambda it: (it[3], it[1]))
-        items = items[:SAMPLE_GRID_MAX]
+        items = sorted((item for part in gathered for item in part), key=_sample_order)[:SAMPLE_GRID_MAX]
         if not items:
             return
+        prompts, rewards = [it[1] for it in items], [it[2] for it in items]
         images = torch.stack([torch.from_numpy(it[0]).permute(2, 0, 1) for it in items]).float() / 255.0
-        grid = save_grid(self.run_dir.sample_path(step), images, [it[1] for it in items], [it[2] for it in items])
+        grid = save_grid(self.run_dir.sample_path(step), images, prompts, rewards)
         self.metrics.add_image("samples", np.asarray(grid), step)
+        if all(it[4] is not None for it in items):
+            path, fps = self.run_dir.video_path(step), self.config.logging.video_fps
+            write_video_grid(path, np.stack([it[4] for it in items]), prompts, rewards, fps=fps)
+            self.metrics.add_video("samples_video", path, step, fps)
 
     def _evaluate(self, step: int) -> None:
         """Evaluate the current weights: ``eval.jsonl``, ``eval/`` scalars and the eval grid (first rank)."""
@@ -459,12 +483,11 @@ class Trainer:
             return
         append_jsonl(self.run_dir.eval_path, result.to_json())
         self.metrics.log_scalars(step, result.scalars())
-        first = next(iter(result.rewards))
         self.log.info("eval at step %d: %s (%d prompts x %d, %.1f s)", step,
                       ", ".join(f"{name} {stats['mean']:.4f}" for name, stats in result.rewards.items()),
                       result.num_prompts, result.samples_per_prompt, result.time_s)
         if result.samples:
-            write_eval_grid(self.run_dir, step, result.samples, self.metrics, first)
+            write_eval_grid(self.run_dir, step, result.samples, self.metrics, fps=self.config.logging.video_fps)
 
     def _stop_if_diverged(self, step: int) -> None:
         if self.resumed_step is not None and step == self.resumed_step + 1 and self.state.nonfinite_streak:

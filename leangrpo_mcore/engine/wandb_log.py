@@ -1,11 +1,11 @@
 """Weights & Biases logging of a run (the ``wandb`` extra), next to metrics.jsonl and TensorBoard.
 
-``logging.wandb: {project, entity, mode}`` turns it on; rank 0 logs the same scalars as TensorBoard and the
-sample grids as images. The wandb run id is kept in ``OUTPUT_DIR/wandb_run_id``: a resumed run
-(``checkpoint.resume``) continues that wandb run (``resume="allow"``), a fresh run starts a new one. wandb writes
-its files under ``OUTPUT_DIR/wandb`` unless ``WANDB_DIR`` names another folder; ``mode: offline`` needs no
-network (``wandb sync`` uploads the run later). Steps that a killed run had logged past the checkpoint it
-resumes from are logged again, and wandb keeps the first value of a step.
+``logging.wandb: {project, entity, mode}`` turns it on; rank 0 logs the same scalars as TensorBoard, the
+sample grids as images and the video grids (``samples/step_<N>.mp4``) as videos. The wandb run id is kept in
+``OUTPUT_DIR/wandb_run_id``: a resumed run (``checkpoint.resume``) continues that wandb run (``resume="allow"``),
+a fresh run starts a new one. wandb writes its files under ``OUTPUT_DIR/wandb`` unless ``WANDB_DIR`` names
+another folder; ``mode: offline`` needs no network (``wandb sync`` uploads the run later). Steps that a killed
+run had logged past the checkpoint it resumes from are logged again, and wandb keeps the first value of a step.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def resolve_run_id(run_root: str, *, resumed: bool) -> str:
 
 
 class WandbRun:
-    """An open wandb run: scalars and images at a step, then :meth:`close`."""
+    """An open wandb run: scalars, images and videos at a step, then :meth:`close`."""
 
     def __init__(self, wandb: Any, run: Any) -> None:
         self._wandb = wandb
@@ -67,6 +67,10 @@ class WandbRun:
     def log_image(self, tag: str, image_hwc_uint8: Any, step: int) -> None:
         """An (H, W, 3) uint8 image at ``step``."""
         self._run.log({tag: self._wandb.Image(image_hwc_uint8)}, step=int(step))
+
+    def log_video(self, tag: str, path: str, step: int, fps: int) -> None:
+        """The mp4 file at ``path`` as a video played at ``fps`` frames per second, at ``step``."""
+        self._run.log({tag: self._wandb.Video(path, fps=int(fps), format="mp4")}, step=int(step))
 
     def close(self) -> None:
         """Finish the run (flushes an offline run's files)."""

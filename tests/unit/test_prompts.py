@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
+from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler, eval_source, has_split
 from leangrpo_mcore.errors import UserError
 
 
@@ -12,7 +12,7 @@ def test_builtin_set_is_varied_and_unique():
     assert 24 <= len(ds) <= 48
     assert len(set(ds.prompts)) == len(ds)
     assert all(p == p.strip() and p for p in ds.prompts)
-    assert ds.metadata(0) == {}
+    assert ds.metadata([0]) == [{}]
 
 
 def test_txt_skips_blank_lines_and_strips(tmp_path):
@@ -32,8 +32,9 @@ def test_jsonl_keeps_metadata(tmp_path):
     path.write_text("\n".join(json.dumps(x) for x in lines[:1]) + "\n\n" + json.dumps(lines[1]) + "\n")
     ds = PromptDataset.from_source(path)
     assert ds.prompts == ['a sign that says "hi"', "a fox"]
-    assert ds.metadata(0) == {"tag": "ocr", "id": 7}
-    assert ds.metadata(1) == {}
+    assert ds.metadata([1, 0]) == [{}, {"tag": "ocr", "id": 7}]
+    ds.metadata([0])[0]["tag"] = "changed"  # a copy: the dataset keeps its record
+    assert ds.metadata([0]) == [{"tag": "ocr", "id": 7}]
 
 
 @pytest.mark.parametrize(
@@ -60,6 +61,64 @@ def test_missing_empty_and_unknown_sources(tmp_path):
         PromptDataset.from_source(tmp_path / "empty.txt")
     with pytest.raises(UserError, match=r"\.txt or \.jsonl"):
         PromptDataset.from_source(tmp_path / "prompts.csv")
+
+
+def _geneval_line(prompt: str, tag: str, include: list) -> str:
+    return json.dumps({"tag": tag, "include": include, "prompt": prompt})
+
+
+def test_flowgrpo_txt_directory_reads_the_split(tmp_path):
+    """pickscore / drawbench: train.txt and test.txt."""
+    (tmp_path / "train.txt").write_text("a cat\na dog\n\n")
+    (tmp_path / "test.txt").write_text("a fox\n")
+    train, test = PromptDataset.from_source(tmp_path), PromptDataset.from_source(tmp_path, split="test")
+    assert train.prompts == ["a cat", "a dog"] and test.prompts == ["a fox"]
+    assert train.source == str(tmp_path / "train.txt") and train.metadata([0, 1]) == [{}, {}]
+    # The same records hash the same whatever holds them, and the splits differ.
+    assert train.fingerprint() == PromptDataset(["a cat", "a dog"]).fingerprint() != test.fingerprint()
+    # A file reads the same whatever the split.
+    assert PromptDataset.from_source(tmp_path / "test.txt", split="train").prompts == ["a fox"]
+    assert has_split(tmp_path, "train") and has_split(tmp_path, "test") and not has_split(tmp_path, "val")
+    assert not has_split(tmp_path / "train.txt", "train") and not has_split("builtin", "test")
+    assert eval_source(str(tmp_path)) == (str(tmp_path), "test")
+    assert eval_source(str(tmp_path / "train.txt")) == (str(tmp_path / "train.txt"), "train")
+    assert eval_source("builtin") == ("builtin", "train")
+
+
+def test_flowgrpo_metadata_directory_keeps_each_lines_fields(tmp_path):
+    """geneval / ocr: train_metadata.jsonl and test_metadata.jsonl, every field but the prompt kept."""
+    lines = [_geneval_line("a photo of a bench", "single_object", [{"class": "bench", "count": 1}]),
+             _geneval_line("a photo of two cats", "counting", [{"class": "cat", "count": 2}])]
+    (tmp_path / "train_metadata.jsonl").write_text("\n".join(lines) + "\n")
+    ds = PromptDataset.from_source(str(tmp_path), split="train")
+    assert ds.prompts == ["a photo of a bench", "a photo of two cats"]
+    assert ds.metadata([1]) == [{"tag": "counting", "include": [{"class": "cat", "count": 2}]}]
+    # The fingerprint covers the metadata: the same prompts with another count are another dataset.
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train_metadata.jsonl").write_text(
+        lines[0] + "\n" + _geneval_line("a photo of two cats", "counting", [{"class": "cat", "count": 3}]) + "\n")
+    assert PromptDataset.from_source(other).prompts == ds.prompts
+    assert PromptDataset.from_source(other).fingerprint() != ds.fingerprint()
+    # No test split here: evaluation falls back to the training prompts.
+    assert not has_split(tmp_path, "test") and eval_source(str(tmp_path)) == (str(tmp_path), "train")
+
+
+def test_flowgrpo_directory_errors_are_one_line(tmp_path):
+    (tmp_path / "train.txt").write_text("a cat\n")
+    (tmp_path / "train_metadata.jsonl").write_text(_geneval_line("a cat", "x", []) + "\n")
+    with pytest.raises(UserError, match="holds both train.txt and train_metadata.jsonl for the 'train' split") as info:
+        PromptDataset.from_source(tmp_path)
+    assert "\n" not in str(info.value)
+    with pytest.raises(UserError) as info:
+        PromptDataset.from_source(tmp_path, split="test")
+    assert str(info.value) == (f"prompt directory {tmp_path} has no 'test' split: expected test.txt or "
+                               f"test_metadata.jsonl in it (FlowGRPO's dataset layout)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "train.txt").write_text("\n")
+    with pytest.raises(UserError, match="has no prompts"):
+        PromptDataset.from_source(empty)
 
 
 def test_sampler_epochs_are_seeded_permutations():
