@@ -104,15 +104,17 @@ def offline_wandb(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb (the 'wandb' extra) is not installed")
-def test_tiny_wan_run_writes_an_mp4_next_to_the_png(offline_wandb, tmp_path):
+def test_tiny_wan_run_writes_an_mp4_next_to_the_png_and_its_evaluation_one(offline_wandb, tmp_path):
     from tests.unit.test_wandb_log import _history, _run_files
 
     run = tmp_path / "run"
     code = train_main(["--config", TINY_WAN, f"train.output_dir={run}", "train.max_steps=1", "sampler.frames=5",
-                       "logging.tensorboard=false", "logging.video_fps=6",
+                       "logging.tensorboard=false", "logging.video_fps=6", "eval.every=1", "eval.num_prompts=3",
                        "logging.wandb={project: tests, mode: offline}"])
     assert code == 0
-    assert sorted(os.listdir(run / "samples")) == ["step_1.mp4", "step_1.png"]
+    assert sorted(os.listdir(run / "samples")) == ["eval_step_1.mp4", "eval_step_1.png", "step_1.mp4", "step_1.png"]
+    # the evaluation's 3 prompts x 1 sample, 5 frames each
+    assert iio.imread(str(run / "samples" / "eval_step_1.mp4")).shape == (5, 128 + 40 + 4, 3 * (128 + 4), 3)
     png = np.asarray(Image.open(run / "samples" / "step_1.png").convert("RGB")).astype(np.float64)
     video = iio.imread(str(run / "samples" / "step_1.mp4"))
     # group_size 2 x prompts_per_step 2 = 4 generations of 32 x 32 pixels x 5 frames in one row.
@@ -124,6 +126,7 @@ def test_tiny_wan_run_writes_an_mp4_next_to_the_png(offline_wandb, tmp_path):
     (path,) = _run_files(offline_wandb)
     _, rows = _history(path)
     (logged,) = [row for row in rows if "samples_video/_type" in row]
+    assert any("eval/samples_video/_type" in row for row in rows)
     assert logged["samples_video/_type"] == "video-file" and logged["_step"] == 1
     assert logged["samples_video/path"].endswith(".mp4")
 
