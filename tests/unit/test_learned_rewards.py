@@ -9,6 +9,7 @@ the open_clip state dict following open_clip's math.
 import importlib.util
 import json
 import math
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -17,7 +18,14 @@ import torch.nn.functional as F
 from PIL import Image
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.rl.rewards import REWARDS, build_reward, register_reward
+from leangrpo_mcore.rl.rewards import (
+    REWARDS,
+    ValidatedReward,
+    build_reward,
+    clip_config_from_openclip,
+    openclip_to_transformers,
+    register_reward,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,6 +317,22 @@ def test_hpsv2_matches_openclip_forward(tiny):
     _close(reward(torch.zeros(5, 3, 8, 8), prompts), expected, 1e-5)
 
 
+def test_clip_config_and_keys_from_openclip_shapes(tiny):
+    state = tiny["openclip"]
+    vocab = state["token_embedding.weight"].shape[0]
+    config = clip_config_from_openclip(state)
+    vision, text = config.vision_config, config.text_config
+    assert (vision.hidden_size, vision.num_hidden_layers, vision.patch_size, vision.image_size) == (32, 2, 32, 224)
+    assert (vision.intermediate_size, text.intermediate_size, config.projection_dim) == (128, 128, PROJ)
+    assert (text.vocab_size, text.max_position_embeddings, text.eos_token_id) == (vocab, CONTEXT, vocab - 1)
+    mapped = openclip_to_transformers(state)
+    q, k, v = state["transformer.resblocks.1.attn.in_proj_weight"].chunk(3)
+    torch.testing.assert_close(mapped["text_model.encoder.layers.1.self_attn.k_proj.weight"], k)
+    torch.testing.assert_close(mapped["visual_projection.weight"], state["visual.proj"].T)
+    with pytest.raises(UserError, match="^reward.options.path: unknown open_clip parameter visual.extra_head$"):
+        openclip_to_transformers({**state, "visual.extra_head": torch.zeros(1)})
+
+
 @pytest.mark.skipif(not HAS_OPEN_CLIP, reason="open_clip is not installed")
 def test_hpsv2_matches_open_clip_model(tiny):
     import open_clip  # noqa: PLC0415 -- optional, only where installed
@@ -378,6 +402,18 @@ def mean_pixel():
     REWARDS.pop("_mean_pixel_frames")
 
 
+class _SubmittingMean:
+    """A reward with its own ``submit`` (as the remote reward): the mean pixel value."""
+
+    def __call__(self, images, prompts):
+        return images.mean(dim=(1, 2, 3))
+
+    def submit(self, images, prompts):
+        future = Future()
+        future.set_result(self(images, prompts))
+        return future
+
+
 def test_frames_pick_and_average(mean_pixel):
     video, prompts = _video(), ["a", "b"]
     per_frame = video.mean(dim=(1, 3, 4))  # (B, F)
@@ -393,6 +429,8 @@ def test_frames_pick_and_average(mean_pixel):
     torch.testing.assert_close(weighted(video, prompts), 2 * per_frame.mean(1))
     torch.testing.assert_close(build_reward(mean_pixel, frames=2).submit(video, prompts).result(),
                                per_frame[:, [0, 4]].mean(1))
+    own_submit = ValidatedReward("own_submit", _SubmittingMean(), frames=3)  # the remote reward's path
+    torch.testing.assert_close(own_submit.submit(video, prompts).result(), per_frame[:, [0, 2, 4]].mean(1))
     for bad in ("last", 0, -2, 1.5, True):
         with pytest.raises(UserError, match=r"^reward.options.frames must be first, mean or an integer >= 1"):
             build_reward(mean_pixel, frames=bad)

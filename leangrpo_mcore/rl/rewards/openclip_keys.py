@@ -59,14 +59,15 @@ def _shape(state_dict: Mapping[str, Tensor], key: str) -> tuple:
     return tuple(state_dict[key].shape)
 
 
-def clip_config_from_openclip(state_dict: Mapping[str, Tensor], *, eos_token_id: int,
-                              vision_heads: int = VIT_H_14_HEADS, text_heads: int = VIT_H_14_HEADS,
-                              bos_token_id: Optional[int] = None) -> Any:
+def clip_config_from_openclip(state_dict: Mapping[str, Tensor], *, eos_token_id: Optional[int] = None,
+                              bos_token_id: Optional[int] = None, vision_heads: int = VIT_H_14_HEADS,
+                              text_heads: int = VIT_H_14_HEADS) -> Any:
     """The transformers ``CLIPConfig`` of an open_clip CLIP ``state_dict`` (widths, depths, patch and image
     size, context length, vocabulary and projection size read from its shapes; exact GELU, eps 1e-5).
 
     The text tower pools the first ``eos_token_id`` token, the end-of-text token at which open_clip pools
-    (the argmax id of a CLIP BPE sequence)."""
+    (the argmax id of a CLIP BPE sequence). Its default is the last id of the vocabulary and the start token
+    the one before, as in the CLIP BPE vocabulary (49407 and 49406)."""
     transformers = require_extra("transformers", "rewards", "reward.name=hpsv2")
     vision_width, _, patch, _ = _shape(state_dict, "visual.conv1.weight")
     positions = _shape(state_dict, "visual.positional_embedding")[0]
@@ -77,6 +78,8 @@ def clip_config_from_openclip(state_dict: Mapping[str, Tensor], *, eos_token_id:
     projection = _shape(state_dict, "visual.proj")[1]
     if _shape(state_dict, "text_projection")[1] != projection:
         raise UserError("reward.options.path: the image and text projections have different sizes")
+    eos_token_id = vocab - 1 if eos_token_id is None else eos_token_id
+    bos_token_id = vocab - 2 if bos_token_id is None else bos_token_id
     common = dict(hidden_act="gelu", layer_norm_eps=1e-5)
     vision = dict(hidden_size=vision_width, num_hidden_layers=_num_blocks(state_dict, "visual."),
                   intermediate_size=_shape(state_dict, "visual.transformer.resblocks.0.mlp.c_fc.weight")[0],
