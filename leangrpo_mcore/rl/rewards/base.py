@@ -9,11 +9,13 @@ Future`` where it has one (the remote reward), else on a worker thread.
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from leangrpo_mcore.errors import UserError
 
 RewardFn = Callable[[Tensor, List[str]], Tensor]
 
@@ -39,6 +41,44 @@ def check_reward_inputs(images: Tensor, prompts: Sequence[str]) -> None:
         raise ValueError("prompts must all be strings")
 
 
+Frames = Union[str, int]
+
+
+def parse_frames(frames: object) -> Frames:
+    """``reward.options.frames`` checked: "first", "mean" or an int >= 1 (a string of digits counts)."""
+    if isinstance(frames, str) and frames.strip().isdigit():
+        frames = int(frames.strip())
+    if frames in ("first", "mean") or (isinstance(frames, int) and not isinstance(frames, bool) and frames >= 1):
+        return frames
+    raise UserError(f"reward.options.frames must be first, mean or an integer >= 1, got {frames!r}")
+
+
+def frame_indices(frames: Frames, num_frames: int) -> List[int]:
+    """The indices of the frames scored out of ``num_frames`` (see the module doc)."""
+    if frames == "first":
+        return [0]
+    if frames == "mean":
+        return list(range(num_frames))
+    return torch.linspace(0, num_frames - 1, int(frames), dtype=torch.float64).round().long().tolist()
+
+
+def flatten_videos(images: Tensor, prompts: Sequence[str], frames: Frames) -> Tuple[Tensor, List[str], int]:
+    """(B·k, 3, H, W) frames, B·k prompts (each repeated k times) and k of videos (B, 3, F, H, W); images (B, 3,
+    H, W) pass unchanged with k = 1. ValueError for other shapes or a prompt count that does not match."""
+    if isinstance(images, Tensor) and images.ndim == 5 and images.shape[1] == 3:
+        if isinstance(prompts, str) or len(prompts) != images.shape[0]:
+            raise ValueError(f"prompts must be a list of {images.shape[0]} strings (one per video)")
+        if images.shape[2] < 1:
+            raise ValueError("videos must have at least one frame")
+        index = torch.tensor(frame_indices(frames, images.shape[2]), device=images.device)
+        picked = images.index_select(2, index).transpose(1, 2)  # (B, k, 3, H, W)
+        k = picked.shape[1]
+        return picked.reshape(-1, *picked.shape[2:]), [p for p in prompts for _ in range(k)], k
+    if isinstance(images, Tensor) and images.ndim == 5:
+        raise ValueError(f"videos must be a (B, 3, F, H, W) tensor, got shape {tuple(images.shape)}")
+    return images, prompts, 1
+
+
 def images_to_uint8(images: Tensor) -> np.ndarray:
     """(B, 3, H, W) float in [0, 1] -> (B, H, W, 3) uint8 RGB numpy, rounding as DDPO/FlowGRPO do."""
     pixels = (images.detach().float() * 255.0).round().clamp(0, 255).to(torch.uint8)
@@ -59,11 +99,15 @@ def check_reward_output(name: str, values: object, batch_size: int) -> Tensor:
 
 
 class ValidatedReward:
-    """A named reward whose inputs are checked and whose output is guaranteed finite float32 (B,)."""
+    """A named reward whose inputs are checked and whose output is guaranteed finite float32 (B,).
 
-    def __init__(self, name: str, fn: RewardFn) -> None:
+    It takes images (B, 3, H, W) or videos (B, 3, F, H, W), the videos scored on ``frames`` (module doc).
+    """
+
+    def __init__(self, name: str, fn: RewardFn, frames: Frames = "first") -> None:
         self.name = name
         self.fn = fn
+        self.frames = parse_frames(frames)
         self._executor: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
@@ -74,16 +118,27 @@ class ValidatedReward:
         error.__cause__ = exc
         return error
 
+    def _flatten(self, images: Tensor, prompts: Sequence[str]) -> Tuple[Tensor, List[str], int]:
+        """The checked image batch the reward function scores, its prompts, and the frames per video k."""
+        flat, flat_prompts, k = flatten_videos(images, prompts, self.frames)
+        check_reward_inputs(flat, flat_prompts)
+        return flat, list(flat_prompts), k
+
+    def _finish(self, values: object, batch: int, k: int) -> Tensor:
+        """The checked (B·k,) values averaged over each video's k frames: float32 (B,)."""
+        values = check_reward_output(self.name, values, batch * k)
+        return values if k == 1 else values.view(batch, k).to(torch.float64).mean(dim=1).to(torch.float32)
+
     def __call__(self, images: Tensor, prompts: List[str]) -> Tensor:
         """Evaluate the reward; RewardError if it raises or returns a bad value."""
-        check_reward_inputs(images, prompts)
+        flat, flat_prompts, k = self._flatten(images, prompts)
         try:
-            values = self.fn(images, list(prompts))
+            values = self.fn(flat, flat_prompts)
         except RewardError:
             raise
         except Exception as exc:  # noqa: BLE001 -- any failure of user reward code becomes one clear error
             raise self._error(exc) from exc
-        return check_reward_output(self.name, values, images.shape[0])
+        return self._finish(values, flat.shape[0] // k, k)
 
     def submit(self, images: Tensor, prompts: Sequence[str]) -> "Future[Tensor]":
         """Score in the background: a Future of what calling the reward returns, or of its RewardError.
@@ -93,26 +148,25 @@ class ValidatedReward:
         at a time in submission order, so ``images`` must not change until the Future is done. Bad inputs
         raise ValueError here, as a call would.
         """
-        check_reward_inputs(images, prompts)
-        prompts = list(prompts)
+        flat, flat_prompts, k = self._flatten(images, prompts)
         own = getattr(self.fn, "submit", None)
         if not callable(own):
             with self._lock:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"reward-{self.name}")
                 executor = self._executor
-            return executor.submit(self, images, prompts)
+            return executor.submit(self, images, list(prompts))
         outer: Future = Future()
-        batch = images.shape[0]
+        batch = flat.shape[0] // k
         try:
-            inner = own(images, prompts)
+            inner = own(flat, flat_prompts)
         except Exception as exc:  # noqa: BLE001
             outer.set_exception(self._error(exc))
             return outer
 
         def settle(done: Future) -> None:
             try:
-                outer.set_result(check_reward_output(self.name, done.result(), batch))
+                outer.set_result(self._finish(done.result(), batch, k))
             except Exception as exc:  # noqa: BLE001
                 outer.set_exception(self._error(exc))
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from leangrpo_mcore.errors import UserError
 
-from .base import ValidatedReward
+from .base import ValidatedReward, parse_frames
 from .plugins import entry_point_names, load_plugin
 
 REWARDS: Dict[str, Callable[..., Any]] = {}
@@ -83,12 +83,15 @@ def build_reward(name: str, **options: Any) -> ValidatedReward:
     (:mod:`~leangrpo_mcore.rl.rewards.plugins`). A function takes ``options`` as keyword arguments, a class as
     constructor arguments; options the callable does not take, a signature that cannot take
     ``(images, prompts)``, or an import that fails is a one-line :class:`~leangrpo_mcore.errors.UserError`.
+    Option ``frames`` ("first", "mean" or N; default "first") belongs to every reward and is not passed on: it
+    picks the frames of a video that the ``ValidatedReward`` scores (see :mod:`.base`).
     """
+    frames = parse_frames(options.pop("frames", "first"))
     obj = _resolve(name)
     builtin = name in REWARDS
     if not inspect.isclass(obj):
         _check_call(name, obj, options)
-        return ValidatedReward(name, functools.partial(obj, **options) if options else obj)
+        return ValidatedReward(name, functools.partial(obj, **options) if options else obj, frames)
     signature = _signature(obj)
     if signature is not None:
         try:
@@ -105,4 +108,4 @@ def build_reward(name: str, **options: Any) -> ValidatedReward:
     if not callable(fn):
         raise UserError(f"reward '{name}': instances of {obj.__name__} are not callable (define __call__)")
     _check_call(name, fn, {})
-    return ValidatedReward(name, fn)
+    return ValidatedReward(name, fn, frames)
