@@ -26,7 +26,7 @@ from leangrpo_mcore.config.loader import build_section
 from leangrpo_mcore.config.schema import Config, RewardConfig
 from leangrpo_mcore.data.conditioning import TextEncoder
 from leangrpo_mcore.data.prompts import PromptDataset, eval_source
-from leangrpo_mcore.data.vae import LatentDecoder
+from leangrpo_mcore.data.vae import DecodedImages, LatentDecoder
 from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, rollout_together
 from leangrpo_mcore.diffusion.seeding import eval_inputs
 from leangrpo_mcore.diffusion.trajectory import Conditioning
@@ -102,6 +102,12 @@ def eval_rewards(config: Config, training: Optional[ValidatedReward]) -> dict[st
             raise UserError(f"eval.rewards lists reward '{section.name}' twice")
         rewards[section.name] = build.reward_of(section)
     return rewards
+
+
+def reward_input(decoded: DecodedImages) -> torch.Tensor:
+    """What a reward scores: the images, or a video policy's whole videos (B, 3, F, H, W), of which the reward
+    scores the frames that ``reward.options.frames`` names (the first by default)."""
+    return decoded.video if decoded.video is not None else decoded.images
 
 
 @contextlib.contextmanager
@@ -208,7 +214,7 @@ class Evaluator:
         size = {"height": s.height, "width": s.width} if self.parts.family.name == "flux" else {}
         decoded = self.decoder.decode(latents, **size)
         prompts = self.dataset.get([i for i, _ in pairs])
-        values = {name: reward(decoded.images, prompts).double().tolist() for name, reward in self.rewards.items()}
+        values = {name: reward(reward_input(decoded), prompts).double().tolist() for name, reward in self.rewards.items()}
         first = next(iter(values))
         images = to_uint8(decoded.images)
         videos = None if decoded.video is None else video_to_uint8(decoded.video)

@@ -39,7 +39,7 @@ from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_
 from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_stats
 from leangrpo_mcore.engine.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
 from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
-from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, write_eval_grid
+from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, reward_input, write_eval_grid
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.video import require_video_extra, write_video_grid
 from leangrpo_mcore.engine.wandb_log import open_wandb
@@ -100,7 +100,8 @@ class NonFiniteGuard:
 class RewardBridge:
     """The step engine's ``reward_fn``: decode latents, score them, keep sample images, capture reward errors.
 
-    The reward sees the decoded images (the first frame of a video). A captured sample keeps its image as
+    The reward sees the decoded images, or a video policy's videos, of which it scores the frames that
+    ``reward.options.frames`` names (the first by default). A captured sample keeps its image as
     uint8 and, for a video policy (``sampler.frames > 1``), its whole video as uint8 too.
 
     :meth:`submit` does the same in the background (``reward.async_scoring``): one worker thread decodes the
@@ -168,7 +169,7 @@ class RewardBridge:
         if self.error is not None:
             return torch.zeros(len(prompts))
         decoded = self._decode(final_latents)
-        images = decoded.images
+        images = reward_input(decoded)
         try:
             rewards = self.data.reward(images, prompts)
         except RewardError as err:
@@ -218,7 +219,7 @@ class RewardBridge:
                 device = contextlib.nullcontext() if stream is None else torch.cuda.device(final_latents.device)
                 with device, (contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
                     decoded = self._decode(final_latents)
-                    images = decoded.images
+                    images = reward_input(decoded)
                     submit = getattr(self.data.reward, "submit", None)
                     if callable(submit):
                         scoring = submit(images, prompts)

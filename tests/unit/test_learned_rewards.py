@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from leangrpo_mcore.errors import UserError
+from tests.reward_models import (CONTEXT, IMAGE, LAYERS, OPENAI_MEAN, OPENAI_STD, PATCH, PROJ, WIDTH,
+                                  write_tiny_clip_dir)
 from leangrpo_mcore.rl.rewards import (
     REWARDS,
     ValidatedReward,
@@ -30,54 +32,9 @@ from leangrpo_mcore.rl.rewards import (
 transformers = pytest.importorskip("transformers")
 
 HAS_OPEN_CLIP = importlib.util.find_spec("open_clip") is not None
-WIDTH, LAYERS, PATCH, IMAGE, PROJ, CONTEXT, HEADS = 32, 2, 32, 224, 16, 77, 16
-OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+HEADS = 16
 PROMPTS = ["the cat", "a dog on the grass", "THE  Cat", "a red apple", "dog dog"]
 LONG_PROMPT = " ".join(["the cat and a dog"] * 20)  # over 77 tokens: truncated with the end token kept
-
-
-def _bytes_to_unicode():
-    """CLIP's (GPT-2's) byte -> printable character table of byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    codes, extra = printable[:], 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            codes.append(256 + extra)
-            extra += 1
-    return [chr(c) for c in codes]
-
-
-def _write_tokenizer(directory):
-    chars = _bytes_to_unicode()
-    merges = ["t h", "th e</w>", "c a", "ca t</w>", "d o", "do g</w>", "a p", "ap p"]
-    vocab_list = chars + [c + "</w>" for c in chars] + [m.replace(" ", "") for m in merges]
-    vocab_list += ["<|startoftext|>", "<|endoftext|>"]
-    (directory / "vocab.json").write_text(json.dumps({tok: i for i, tok in enumerate(vocab_list)}))
-    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    tokenizer = transformers.CLIPTokenizer(vocab=str(directory / "vocab.json"), merges=str(directory / "merges.txt"))
-    tokenizer.save_pretrained(directory)
-    return len(vocab_list)
-
-
-def _tiny_clip_dir(directory):
-    vocab = _write_tokenizer(directory)
-    tokenizer = transformers.CLIPTokenizer.from_pretrained(directory)
-    config = transformers.CLIPConfig(
-        text_config=dict(hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, vocab_size=vocab, max_position_embeddings=CONTEXT,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id),
-        vision_config=dict(hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=LAYERS,
-                           num_attention_heads=4, image_size=IMAGE, patch_size=PATCH),
-        projection_dim=PROJ)
-    torch.manual_seed(0)
-    transformers.CLIPModel(config).save_pretrained(directory)
-    processor = transformers.CLIPImageProcessorPil(size={"shortest_edge": IMAGE},
-                                                   crop_size={"height": IMAGE, "width": IMAGE},
-                                                   image_mean=list(OPENAI_MEAN), image_std=list(OPENAI_STD))
-    processor.save_pretrained(directory)
 
 
 def _tiny_openclip_state_dict(vocab, generator):
@@ -119,7 +76,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("learned_rewards")
     clip_dir = root / "clip"
     clip_dir.mkdir()
-    _tiny_clip_dir(clip_dir)
+    write_tiny_clip_dir(clip_dir)
     generator = torch.Generator().manual_seed(1)
     sizes = [PROJ, 24, 12, 8, 4, 1]
     mlp = {}
