@@ -155,6 +155,7 @@ def _config(tmp_path: Path, accumulate: str = "per_sample", **reward) -> str:
     config["reward"] = reward
     config["schedule"]["reweight_accumulate"] = accumulate
     config["train"].update(output_dir=str(tmp_path / "run"), max_steps=1)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
@@ -171,15 +172,22 @@ def _main(capsys, path: str):
 
 def test_trainer_logs_each_component_mean(capsys, tmp_path):
     weights = {"jpeg_compressibility": 1.0, PLUGIN: 0.5}
-    path = _config(tmp_path, "affine", name="weighted", weights=weights, aggregate="advantages")
-    code, errors, output = _main(capsys, path)
-    assert code == 0 and not errors, output
-    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    rows = []
+    for background in (False, True):  # the reward bridge's call, and its submit (reward.async_scoring)
+        path = _config(tmp_path / str(background), "affine", name="weighted", weights=weights,
+                       aggregate="advantages", async_scoring=background)
+        code, errors, output = _main(capsys, path)
+        assert code == 0 and not errors, output
+        rows.append(json.loads((tmp_path / str(background) / "run" / "metrics.jsonl").read_text().splitlines()[0]))
+        # Reweight's plan says why it keeps per-sample buffers
+        assert "Reweight accumulates per_sample" in output and "reward.aggregate=advantages: A = " in output
+    row = rows[0]
     jpeg, bright = row["reward_jpeg_compressibility_mean"], row[f"reward_{PLUGIN}_mean"]
     assert 1.0 < bright < 9.0 and jpeg < 0  # 10 × a mean pixel in (0, 1); minus kilobytes of JPEG
     assert row["reward_mean"] == pytest.approx(jpeg + 0.5 * bright, rel=1e-6)
-    # Reweight's plan says why it keeps per-sample buffers
-    assert "Reweight accumulates per_sample" in output and "reward.aggregate=advantages: A = " in output
+    same = ("reward_mean", "reward_std", "reward_jpeg_compressibility_mean", f"reward_{PLUGIN}_mean", "loss",
+            "grad_norm", "advantage_abs_mean")
+    assert [rows[1][key] for key in same] == [row[key] for key in same]
 
 
 def test_refused_combinations_are_one_line(capsys, tmp_path):
