@@ -4,7 +4,7 @@ The step engine's advantages must be the float64 formula of its (P, M, K) compon
 bitwise equal to Native and Reweight within the fp32 floor (its affine accumulation and global-std fold fall back
 to per-sample buffers); the reported rewards are the weighted sum; the gradient differs from summing the rewards
 first; async scoring carries the components bit for bit; and the trainer logs each component's mean and refuses
-the combinations that make no sense.
+the combinations that make no sense, and stops in one line when a component reward fails.
 """
 
 from __future__ import annotations
@@ -201,3 +201,18 @@ def test_refused_combinations_are_one_line(capsys, tmp_path):
         code, errors, output = _main(capsys, _config(tmp_path, **reward))
         assert code == 2 and len(errors) == 1 and "Traceback" not in output, output
         assert expected in errors[0] and "reward.aggregate" in errors[0], errors[0]
+
+
+def nan_for_tests(images: torch.Tensor, prompts: list) -> torch.Tensor:
+    """A broken component reward."""
+    return torch.full((images.shape[0],), float("nan"))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_failing_component_stops_the_run_in_one_line(capsys, tmp_path, background):
+    weights = {"jpeg_compressibility": 1.0, "tests.unit.test_aggregate_advantages:nan_for_tests": 0.5}
+    path = _config(tmp_path, name="weighted", weights=weights, aggregate="advantages", async_scoring=background)
+    code, errors, output = _main(capsys, path)
+    assert code == 2 and len(errors) == 1 and "Traceback" not in output, output
+    assert "nan_for_tests' returned 1 non-finite values" in errors[0], errors[0]
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
