@@ -92,6 +92,11 @@ class RewardConfig:
     """For name 'weighted': {reward name: weight}."""
     normalize: bool = False
     """For name 'weighted': z-score each reward over the batch before weighting."""
+    aggregate: str = option("rewards", choices=("rewards", "advantages"))
+    """For name 'weighted': 'rewards' sums the weighted rewards Σ_k w_k r_k into one reward, then one group
+    advantage; 'advantages' normalises each reward k into its own group advantage A_k (grpo.advantage,
+    grpo.global_std per reward) and trains on A = clamp(Σ_k w_k A_k, ±grpo.adv_clip_max) (MixGRPO's multi-reward
+    option). The logged reward stays Σ_k w_k r_k; each reward's mean is logged as reward_<name>_mean."""
     url: Optional[str] = None
     """For name 'remote': the HTTP endpoint of a reward server."""
     timeout_s: float = option(60.0, gt=0.0)

@@ -248,7 +248,14 @@ def _frozen_in(policy: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def _reward(config: Config) -> ValidatedReward:
     """The configured reward, built (and a plugin imported) now, so that a bad name or option fails at start."""
-    return reward_of(config.reward)
+    r = config.reward
+    if r.aggregate == "advantages" and r.name != "weighted":
+        raise UserError(f"reward.aggregate=advantages needs reward.name=weighted (one advantage per reward of "
+                        f"reward.weights), got reward.name={r.name}")
+    if r.aggregate == "advantages" and r.normalize:
+        raise UserError("reward.aggregate=advantages already normalises each reward into its group advantage: "
+                        "set reward.normalize=false")
+    return reward_of(r)
 
 
 def reward_of(r: RewardSection) -> ValidatedReward:

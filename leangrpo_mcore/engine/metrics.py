@@ -26,12 +26,18 @@ if TYPE_CHECKING:
 Scalar = float | int
 
 
-def reward_stats(rewards: torch.Tensor) -> dict[str, float]:
-    """``reward_mean`` and ``reward_std`` (population std, ddof 0) of all rewards of a step, in float64."""
+def reward_stats(rewards: torch.Tensor, components: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, float]:
+    """``reward_mean`` and ``reward_std`` (population std, ddof 0) of all rewards of a step, in float64, and
+    ``reward_<name>_mean`` of each of the named ``components`` (the rewards of ``reward.aggregate: advantages``)."""
     values = rewards.detach().double().flatten()
     if values.numel() == 0:
-        return {"reward_mean": math.nan, "reward_std": math.nan}
-    return {"reward_mean": float(values.mean()), "reward_std": float(values.std(unbiased=False))}
+        stats = {"reward_mean": math.nan, "reward_std": math.nan}
+    else:
+        stats = {"reward_mean": float(values.mean()), "reward_std": float(values.std(unbiased=False))}
+    for name, component in (components or {}).items():
+        column = component.detach().double().flatten()
+        stats[f"reward_{name}_mean"] = float(column.mean()) if column.numel() else math.nan
+    return stats
 
 
 def _json_number(value: Scalar) -> Any:

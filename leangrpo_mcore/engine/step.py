@@ -30,12 +30,18 @@ each holding its own blocks; only the policy forward is split (:mod:`leangrpo_mc
 stage gets the same velocity, so the trajectories, rewards (scored on the last stage, received by the others),
 advantages and schedule hooks are the same on every stage, and each stage's gradients are its own blocks'. With
 both, the CP ranks of each stage split the samples' tokens, and a sample is scored on CP rank 0 of the last stage.
+
+``reward.aggregate: advantages`` (:attr:`StepPlan.reward_weights`): ``reward_fn`` returns (B, K) component rewards,
+which travel as the (B,) ones do (gathered per group and per step, broadcast from the scoring rank, joined from
+the background); each component gets its own group advantage and A = clamp(Σ_k w_k A_k). The schedules' reward
+hooks and the reported rewards see the weighted sum Σ_k w_k r_k.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import contextlib
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
@@ -58,14 +64,15 @@ from leangrpo_mcore.parallel.mesh import ParallelContext
 from leangrpo_mcore.parallel.precision import ForwardPrecision, null_precision
 from leangrpo_mcore.parallel.sequence import LatentSplit
 from leangrpo_mcore.parallel.stages import split_velocity
-from leangrpo_mcore.rl.advantages import advantage_affine, clamp_would_fire, compute_advantages
+from leangrpo_mcore.rl.advantages import advantage_affine, clamp_would_fire, compute_advantages, weighted_sum
 from leangrpo_mcore.schedules.base import (GroupUpdate, Objective, PhaseTimer, ScheduleContext, UpdateStats,
                                            build_schedule, loss_weight)
 from leangrpo_mcore.schedules.reweight import ReweightPlan, plan_reweight
 
 RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``reward_fn(final_latents (B, *shape), prompt_ids (B,)) -> (B,)`` float rewards (with async scoring,
-``reward_fn.submit`` with the same arguments returns a Future of them, where it has one)."""
+"""``reward_fn(final_latents (B, *shape), prompt_ids (B,)) -> (B,)`` float rewards, (B, K) component rewards with
+:attr:`StepPlan.reward_weights` (with async scoring, ``reward_fn.submit`` with the same arguments returns a Future
+of them, where it has one)."""
 ProgressFn = Callable[[int, int], None]
 """``progress(done, total)``: after each denoising step of the rollout, how many of the step's ``total``
 denoising steps (steps × this rank's micro-batches over its groups) are done."""
@@ -119,6 +126,9 @@ class StepPlan:
     """parallel.reshard_after_forward (None: auto, see :func:`keep_parameters_gathered`)."""
     async_scoring: bool = False
     """reward.async_scoring: score each group in the background during the next group's rollout."""
+    reward_weights: Optional[tuple[float, ...]] = None
+    """reward.aggregate=advantages: the weights w_k of the K component rewards ``reward_fn`` returns as (B, K),
+    each normalised into its own group advantage, A = clamp(Σ_k w_k A_k). None: (B,) rewards, one advantage."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, latent_shape: tuple[int, ...], sigmas: torch.Tensor,
@@ -140,7 +150,18 @@ class StepPlan:
             provisional_dtype=cfg.schedule.provisional_dtype or cfg.parallel.reduce_dtype,
             seed=cfg.train.seed, same_latent=s.same_latent,
             reshard_after_forward=cfg.parallel.reshard_after_forward, async_scoring=cfg.reward.async_scoring,
+            reward_weights=(tuple(float(w) for w in (cfg.reward.weights or {}).values())
+                            if cfg.reward.aggregate == "advantages" else None),
         )
+
+    @property
+    def components(self) -> int:
+        """K, the component rewards per sample (0: one (B,) reward)."""
+        return len(self.reward_weights) if self.reward_weights is not None else 0
+
+    def total(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The reward the schedules and the logs see: ``rewards`` itself, or Σ_k w_k r_k of (..., K) components."""
+        return rewards if self.reward_weights is None else weighted_sum(rewards, self.reward_weights)
 
     @property
     def num_steps(self) -> int:
@@ -175,7 +196,8 @@ class StepPlan:
         """The exact accumulation Reweight uses for these settings."""
         plan = plan_reweight(self.reweight_accumulate, advantage=self.advantage, group_size=self.group_size,
                              prompts_per_step=self.prompts_per_step, adv_clip_max=self.adv_clip_max,
-                             global_std=self.global_std)
+                             global_std=self.global_std,
+                             aggregate="rewards" if self.reward_weights is None else "advantages")
         return dataclasses.replace(plan, provisional_dtype=self.provisional_dtype)
 
     def selection_varies(self, ctx: ParallelContext) -> bool:
@@ -219,6 +241,9 @@ class StepPlan:
             raise ValueError(f"grpo.updates_per_rollout ({self.updates_per_rollout}) must divide "
                              f"grpo.prompts_per_step ({self.prompts_per_step}): each update trains whole groups")
         check_updates(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step, self.updates_per_rollout)
+        if self.reward_weights is not None and (not self.reward_weights
+                                                or not all(math.isfinite(w) for w in self.reward_weights)):
+            raise ValueError(f"reward.aggregate=advantages needs finite reward weights, got {self.reward_weights}")
         if self.advantage == "dance_grpo" and self.group_size < 2:
             raise ValueError("dance_grpo advantages use an unbiased std: grpo.group_size must be >= 2")
         if self.objective.kl_beta > 0:
@@ -267,7 +292,7 @@ class StepResult:
 
     step: int
     rewards: torch.Tensor
-    """(P, M) rewards of the step (all ranks)."""
+    """(P, M) rewards of the step (all ranks); with component rewards their weighted sum Σ_k w_k r_k."""
     advantages: torch.Tensor
     """(P, M) clamped advantages."""
     updates: list[UpdateResult]
@@ -278,6 +303,8 @@ class StepResult:
     """Peak memory above the step's start (when measured)."""
     trajectories: dict[int, list[Trajectory]] = field(default_factory=dict)
     """This rank's trajectories per prompt slot (per micro-batch), when kept."""
+    component_rewards: Optional[torch.Tensor] = None
+    """(P, M, K) float32 component rewards of the step with reward.aggregate=advantages (None otherwise)."""
 
     @property
     def loss(self) -> float:
@@ -292,7 +319,7 @@ class GroupRecord:
     share: PromptShare
     update: GroupUpdate
     group_rewards: torch.Tensor
-    """(M,) float32 rewards of the whole group, generation order."""
+    """(M,) float32 rewards of the whole group, generation order ((M, K) component rewards)."""
 
 
 @dataclass
@@ -303,13 +330,15 @@ class ScoringGroup:
     trajectories: list[Trajectory]
     """The rollout of each micro-batch."""
     scores: list[Future]
-    """Each micro-batch's Future of its (B_mb,) local rewards."""
+    """Each micro-batch's Future of its (B_mb,) local rewards ((B_mb, K) component rewards)."""
 
 
-def _check_rewards(rewards: torch.Tensor, batch: int) -> torch.Tensor:
+def _check_rewards(rewards: torch.Tensor, batch: int, components: int = 0) -> torch.Tensor:
+    """``rewards`` as float32 of shape (batch,), or (batch, components) for component rewards; ValueError else."""
     rewards = torch.as_tensor(rewards)
-    if rewards.shape != (batch,):
-        raise ValueError(f"reward_fn must return shape ({batch},), got {tuple(rewards.shape)}")
+    shape = (batch, components) if components else (batch,)
+    if rewards.shape != shape:
+        raise ValueError(f"reward_fn must return shape {shape}, got {tuple(rewards.shape)}")
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError(f"reward_fn returned {int((~torch.isfinite(rewards)).sum())} non-finite rewards")
     return rewards.detach().to(torch.float32)
@@ -384,7 +413,7 @@ class StepEngine:
                 if schedule is not None:
                     schedule.on_advantages(record.update)
             records.append(record)
-        rewards, advantages = self._step_advantages(records, timer)
+        table, advantages = self._step_advantages(records, timer)
         if plan.global_std:
             for record in records:
                 if plan.update_of(record.share.prompt_slot) == 0:
@@ -399,8 +428,8 @@ class StepEngine:
                     native.on_advantages(record.update)
             updates.append(self._finish(native, timer))
         kept = {r.share.prompt_slot: r.update.trajectories for r in records} if self.keep_trajectories else {}
-        return StepResult(step=inputs.step, rewards=rewards, advantages=advantages, updates=updates,
-                          trajectories=kept)
+        return StepResult(step=inputs.step, rewards=plan.total(table), advantages=advantages, updates=updates,
+                          trajectories=kept, component_rewards=table if plan.components else None)
 
     def _scored_groups(self, inputs: StepInputs, first, timer: PhaseTimer) -> Iterator[tuple[GroupRecord, object]]:
         """This rank's groups in update order with their rewards gathered, each with its schedule (None: a later
@@ -434,9 +463,9 @@ class StepEngine:
         rewards = []
         for mb, (traj, score) in enumerate(zip(group.trajectories, group.scores)):
             with timer.phase("reward"):
-                local = _check_rewards(score.result(), traj.final_latents.shape[0])
+                local = _check_rewards(score.result(), traj.final_latents.shape[0], self.plan.components)
             if schedule is not None:
-                schedule.on_rewards((group.share.prompt_slot, mb), local)
+                schedule.on_rewards((group.share.prompt_slot, mb), self.plan.total(local))
             rewards.append(local)
         return self._gathered(group.share, group.trajectories, rewards, timer)
 
@@ -475,7 +504,7 @@ class StepEngine:
             with timer.phase("reward"):
                 local = self._score(trajectories[-1].final_latents, ids)
             if schedule is not None:
-                schedule.on_rewards((share.prompt_slot, mb), local)
+                schedule.on_rewards((share.prompt_slot, mb), plan.total(local))
             rewards.append(local)
         if plan.async_scoring:
             return ScoringGroup(share=share, trajectories=trajectories, scores=rewards)
@@ -505,17 +534,17 @@ class StepEngine:
         """(B,) checked rewards of a micro-batch, scored once per sample: under CP the whole latents on CP rank 0,
         under PP on the last stage (every stage holds the same latents), under both on CP rank 0 of the last
         stage; the other ranks of the sample receive the result (or the error)."""
-        batch = final_latents.shape[0]
+        batch, components = final_latents.shape[0], self.plan.components
         # the scorer's result travels along its pipeline (from the last stage), then across the CP ranks of each stage
         hops = [(self.ctx.pp_group, int(self.ctx.layout.pp) - 1)] if self.ctx.pp_group is not None else []
         hops += [(self.ctx.cp_group, 0)] if self.split is not None else []
         if not hops:
-            return _check_rewards(self.reward_fn(final_latents, prompt_ids), batch)
+            return _check_rewards(self.reward_fn(final_latents, prompt_ids), batch, components)
         whole = self.split.gather(final_latents) if self.split is not None else final_latents
         outcome: list = [None]
         if all(dist.get_rank(group) == src for group, src in hops):
             try:
-                outcome[0] = _check_rewards(self.reward_fn(whole, prompt_ids), batch).cpu()
+                outcome[0] = _check_rewards(self.reward_fn(whole, prompt_ids), batch, components).cpu()
             except ValueError as err:
                 outcome[0] = str(err)
         for group, src in hops:
@@ -531,8 +560,9 @@ class StepEngine:
         with timer.phase("reward"):
             group = gather_group_rewards(torch.cat(rewards).to(device), share, plan.group_size,
                                          self.gather_groups.get(share.group_ranks))
-        update = GroupUpdate(index=share.prompt_slot, trajectories=trajectories, rewards=rewards,
-                             group_mean=float(group.double().mean()))
+        totals = [plan.total(r) for r in rewards]
+        update = GroupUpdate(index=share.prompt_slot, trajectories=trajectories, rewards=totals,
+                             group_mean=float(plan.total(group).double().mean()))
         return GroupRecord(share=share, update=update, group_rewards=group)
 
     def _with_progress(self, on_step):
@@ -553,12 +583,17 @@ class StepEngine:
 
     def _set_advantages(self, records: list[GroupRecord], rewards: torch.Tensor, group_ids: torch.Tensor,
                         offsets: list[int]) -> None:
-        """Advantages of ``rewards`` (N,) grouped by ``group_ids``; record n reads M entries from ``offsets[n]``."""
+        """Advantages of ``rewards`` (N,) (or (N, K) components) grouped by ``group_ids``; record n reads M entries
+        from ``offsets[n]``."""
         plan = self.plan
         clamped = compute_advantages(plan.advantage, rewards, group_ids, adv_clip_max=plan.adv_clip_max,
-                                     global_std=plan.global_std)
-        raw = compute_advantages(plan.advantage, rewards, group_ids, adv_clip_max=None, global_std=plan.global_std)
-        alpha, gamma = advantage_affine(plan.advantage, rewards, group_ids, global_std=plan.global_std)
+                                     global_std=plan.global_std, weights=plan.reward_weights)
+        raw = compute_advantages(plan.advantage, rewards, group_ids, adv_clip_max=None, global_std=plan.global_std,
+                                 weights=plan.reward_weights)
+        if plan.reward_weights is None:
+            alpha, gamma = advantage_affine(plan.advantage, rewards, group_ids, global_std=plan.global_std)
+        else:  # Σ_k w_k A_k is no affine function of one reward: plan_reweight keeps Reweight per-sample
+            alpha = gamma = torch.full((rewards.shape[0],), math.nan, dtype=torch.float64)
         for record, offset in zip(records, offsets):
             rows = slice(offset, offset + plan.group_size)
             group_adv = clamped[rows]
@@ -568,20 +603,21 @@ class StepEngine:
             update.clamp_fired = clamp_would_fire(raw[rows], plan.adv_clip_max)
 
     def _step_advantages(self, records: list[GroupRecord], timer: PhaseTimer) -> tuple[torch.Tensor, torch.Tensor]:
-        """(P, M) rewards and advantages of the step; with global std also each record's advantages."""
+        """(P, M) rewards ((P, M, K) component rewards) and (P, M) advantages of the step; with global std also each
+        record's advantages."""
         plan = self.plan
         with timer.phase("reward"):
-            local = {(r.share.prompt_slot, gen): float(reward) for r in records
+            local = {(r.share.prompt_slot, gen): reward for r in records
                      for gen, reward in enumerate(r.group_rewards.tolist()) if gen in r.share.generation_ids}
             table = gather_step_rewards(local, plan.prompts_per_step, plan.group_size, self.ctx.dp_group,
-                                        self.ctx.device)
+                                        self.ctx.device, components=plan.components)
         ids = torch.arange(plan.prompts_per_step).repeat_interleave(plan.group_size)
+        flat = table.reshape(ids.numel(), *table.shape[2:])
         with timer.phase("advantage"):
             if plan.global_std:
-                self._set_advantages(records, table.flatten(), ids,
-                                     [r.share.prompt_slot * plan.group_size for r in records])
-            advantages = compute_advantages(plan.advantage, table.flatten(), ids, adv_clip_max=plan.adv_clip_max,
-                                            global_std=plan.global_std)
+                self._set_advantages(records, flat, ids, [r.share.prompt_slot * plan.group_size for r in records])
+            advantages = compute_advantages(plan.advantage, flat, ids, adv_clip_max=plan.adv_clip_max,
+                                            global_std=plan.global_std, weights=plan.reward_weights)
         return table, advantages.view(plan.prompts_per_step, plan.group_size)
 
     def _finish(self, schedule, timer: PhaseTimer) -> UpdateResult:

@@ -47,6 +47,7 @@ from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.mesh import destroy_parallel_context
 from leangrpo_mcore.parallel.precision import fp8_precision
 from leangrpo_mcore.rl.rewards import RewardError
+from leangrpo_mcore.rl.rewards.base import flatten_videos
 
 SAMPLE_GRID_MAX = 16
 """At most this many generations appear in a sample grid."""
@@ -108,6 +109,9 @@ class RewardBridge:
     batches in submission order and hands each to the reward's ``submit``, so that a remote reward's requests
     are in flight while the next batch decodes. Errors and sample images are kept in submission order, so a
     step reports what a synchronous one would.
+
+    With ``reward.aggregate: advantages`` it returns the (B, K) component rewards of the weighted reward (scored on
+    the decoding thread in the background) and captions the samples with their weighted sum.
     """
 
     def __init__(self, data: build.DataParts, config: Config) -> None:
@@ -117,6 +121,8 @@ class RewardBridge:
         self.keep_video = config.sampler.frames > 1
         if self.keep_video:
             require_video_extra()  # on every rank before training, not on rank 0 at the first sample step
+        # build._reward allows aggregate=advantages only with the weighted reward, wrapped in a ValidatedReward
+        self.weighted = data.reward.fn if config.reward.aggregate == "advantages" and data.reward is not None else None
         self.error: Optional[str] = None
         self.capture = False
         self._lock = threading.Lock()
@@ -162,20 +168,38 @@ class RewardBridge:
             with self._lock:
                 self._samples[index] = items
 
+    def _zeros(self, batch: int) -> torch.Tensor:
+        """What a failed batch returns: zeros shaped as its rewards."""
+        return torch.zeros(batch, len(self.weighted.weights)) if self.weighted is not None else torch.zeros(batch)
+
+    def _components(self, images: torch.Tensor, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weighted reward's (B, K) components and their weighted sum (B,); videos are scored on the frames that
+        ``reward.options.frames`` names, averaged per video, as the reward's own call scores them."""
+        flat, flat_prompts, k = flatten_videos(images, prompts, self.data.reward.frames)
+        components, total = self.weighted.scored_components(flat, flat_prompts)
+        batch = images.shape[0]
+        return components.view(batch, k, -1).mean(dim=1), total.view(batch, k).mean(dim=1)
+
+    def _split(self, scored) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rewards for the engine, rewards for the captions) of a scoring result."""
+        return scored if self.weighted is not None else (scored, scored)
+
     def __call__(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
-        """(B,) rewards of ``final_latents``; zeros after a reward error (the step is then abandoned)."""
+        """(B,) rewards ((B, K) component rewards) of ``final_latents``; zeros after a reward error (the step is
+        then abandoned)."""
         prompts = self.data.dataset.get([int(i) for i in prompt_ids.tolist()])
         index = self._next_call()
         if self.error is not None:
-            return torch.zeros(len(prompts))
+            return self._zeros(len(prompts))
         decoded = self._decode(final_latents)
         images = reward_input(decoded)
         try:
-            rewards = self.data.reward(images, prompts)
+            rewards, shown = self._split(self._components(images, prompts) if self.weighted is not None
+                                         else self.data.reward(images, prompts))
         except RewardError as err:
             self._failed(index, str(err))
-            return torch.zeros(len(prompts))
-        self._keep(index, decoded, prompts, rewards, prompt_ids)
+            return self._zeros(len(prompts))
+        self._keep(index, decoded, prompts, shown, prompt_ids)
         return rewards
 
     def submit(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> "Future[torch.Tensor]":
@@ -188,7 +212,7 @@ class RewardBridge:
         index = self._next_call()
         outer: Future = Future()
         if self.error is not None:
-            outer.set_result(torch.zeros(len(prompts)))
+            outer.set_result(self._zeros(len(prompts)))
             return outer
         with self._lock:
             if self._executor is None:
@@ -198,16 +222,16 @@ class RewardBridge:
 
         def settle(decoded: Optional[DecodedImages], done: Future) -> None:
             try:
-                rewards = done.result()
+                rewards, shown = self._split(done.result())
             except RewardError as err:
                 self._failed(index, str(err))
-                outer.set_result(torch.zeros(len(prompts)))
+                outer.set_result(self._zeros(len(prompts)))
                 return
             except BaseException as exc:  # noqa: BLE001 -- the engine re-raises it where it joins the Future
                 outer.set_exception(exc)
                 return
             try:
-                self._keep(index, decoded, prompts, rewards, prompt_ids)
+                self._keep(index, decoded, prompts, shown, prompt_ids)
             except BaseException as exc:  # noqa: BLE001
                 outer.set_exception(exc)
                 return
@@ -220,9 +244,12 @@ class RewardBridge:
                 with device, (contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)):
                     decoded = self._decode(final_latents)
                     images = reward_input(decoded)
-                    submit = getattr(self.data.reward, "submit", None)
+                    submit = None if self.weighted is not None else getattr(self.data.reward, "submit", None)
                     if callable(submit):
                         scoring = submit(images, prompts)
+                    elif self.weighted is not None:  # the components, each validated, scored here
+                        scoring = Future()
+                        scoring.set_result(self._components(images, prompts))
                     else:  # a bare reward callable: score it here, on the decoding thread
                         scoring = Future()
                         scoring.set_result(self.data.reward(images, prompts))
@@ -437,7 +464,11 @@ class Trainer:
                     shadow.lerp_(params[name].detach().float(), 1.0 - decay)
 
     def _row(self, result: StepResult, elapsed: float, skipped: bool, lr: float) -> dict:
-        stats = reward_stats(result.rewards)
+        components = None
+        if result.component_rewards is not None:
+            names = list(self.config.reward.weights or {})
+            components = {name: result.component_rewards[..., k] for k, name in enumerate(names)}
+        stats = reward_stats(result.rewards, components)
         self.state.step_times.append(elapsed)
         updates = result.updates
         row = {**stats, "loss": sum(u.loss for u in updates) / len(updates),

@@ -51,7 +51,8 @@ def reweight_plan_of(config: Any):
 
     g = config.grpo
     return plan_reweight(config.schedule.reweight_accumulate, advantage=g.advantage, group_size=g.group_size,
-                         prompts_per_step=g.prompts_per_step, adv_clip_max=g.adv_clip_max, global_std=g.global_std)
+                         prompts_per_step=g.prompts_per_step, adv_clip_max=g.adv_clip_max, global_std=g.global_std,
+                         aggregate=config.reward.aggregate)
 
 
 def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, reward_seconds: float = 0.0,

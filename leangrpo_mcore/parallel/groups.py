@@ -143,40 +143,42 @@ def build_group_process_groups(layout: str, dp_size: int, group_size: int, dp_gl
 
 
 def gather_group_rewards(local: torch.Tensor, share: PromptShare, group_size: int, group) -> torch.Tensor:
-    """(M,) rewards of a prompt group in generation order, all-gathered among ``share.group_ranks``.
+    """(M,) rewards of a prompt group in generation order, all-gathered among ``share.group_ranks``; (M, K) for
+    (B, K) component rewards (``reward.aggregate: advantages``), each sample's row travelling whole.
 
     ``local`` holds this rank's rewards for ``share.generation_ids``; ``group`` is the process group of the
     ranks sharing the prompt (None when this rank holds the whole group).
     """
     local = local.detach().to(torch.float32)
     if len(share.group_ranks) == 1:
-        if local.numel() != group_size:
-            raise ValueError(f"a rank holding the whole group needs {group_size} rewards, got {local.numel()}")
+        if local.shape[0] != group_size:
+            raise ValueError(f"a rank holding the whole group needs {group_size} rewards, got {local.shape[0]}")
         return local.cpu()
     pieces = [torch.empty_like(local) for _ in share.group_ranks]
     dist.all_gather(pieces, local, group=group)
-    out = torch.empty(group_size, dtype=torch.float32)
+    out = torch.empty(group_size, *local.shape[1:], dtype=torch.float32)
     for ids, piece in zip(share.gathered_generation_ids(group_size), pieces):
         out[torch.tensor(ids, dtype=torch.long)] = piece.cpu()
     return out
 
 
-def gather_step_rewards(local: dict[tuple[int, int], float], prompts_per_step: int, group_size: int,
-                        dp_group, device: torch.device) -> torch.Tensor:
-    """(P, M) rewards of the whole step over the data-parallel group.
+def gather_step_rewards(local: dict[tuple[int, int], float | list[float]], prompts_per_step: int, group_size: int,
+                        dp_group, device: torch.device, components: int = 0) -> torch.Tensor:
+    """(P, M) rewards of the whole step over the data-parallel group; (P, M, K) with ``components`` = K > 0.
 
-    ``local`` maps (prompt slot, generation) → reward for the samples made on this rank. Each entry is owned
-    by exactly one data-parallel rank, so a SUM all-reduce of the zero-filled tables is an exact gather.
+    ``local`` maps (prompt slot, generation) → reward (a list of K rewards with components) for the samples made
+    on this rank. Each entry is owned by exactly one data-parallel rank, so a SUM all-reduce of the zero-filled
+    tables is an exact gather.
     """
-    table = torch.zeros(prompts_per_step, group_size, dtype=torch.float32)
+    table = torch.zeros(prompts_per_step, group_size, *((components,) if components else ()), dtype=torch.float32)
     owned = torch.zeros(prompts_per_step, group_size, dtype=torch.float32)
     for (slot, gen), value in local.items():
-        table[slot, gen] = value
+        table[slot, gen] = torch.as_tensor(value, dtype=torch.float32)
         owned[slot, gen] = 1.0
     if dp_group is not None:
-        both = torch.stack([table, owned]).to(device)
+        both = torch.cat([table.flatten(), owned.flatten()]).to(device)
         dist.all_reduce(both, group=dp_group)
-        table, owned = both[0].cpu(), both[1].cpu()
+        table, owned = both[:table.numel()].view(table.shape).cpu(), both[table.numel():].view(owned.shape).cpu()
     simulated = dp_group is not None and dist.get_backend(dp_group) == "fake"  # sums nothing: others' rows stay 0
     if not simulated and not bool((owned == 1).all()):
         raise RuntimeError("the step's rewards are not owned exactly once over the data-parallel ranks")

@@ -114,10 +114,11 @@ def _conditioning(config: Config, hyper: dict, family: str, prompts: int) -> Con
     return Conditioning(tokens, pooled, negative, guidance)
 
 
-def _fixed_rewards(final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
-    """Real, distinct rewards without reading the (fake) latents."""
+def _fixed_rewards(final_latents: torch.Tensor, prompt_ids: torch.Tensor, components: int = 0) -> torch.Tensor:
+    """Real, distinct rewards without reading the (fake) latents; (B, components) for reward.aggregate=advantages."""
     batch = final_latents.shape[0]
-    return torch.arange(batch, dtype=torch.float32) * 0.25 + prompt_ids.float() * 0.5
+    rewards = torch.arange(batch, dtype=torch.float32) * 0.25 + prompt_ids.float() * 0.5
+    return rewards[:, None] * torch.arange(1, components + 1, dtype=torch.float32) if components else rewards
 
 
 class _Labeller:
@@ -200,7 +201,9 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
             pctx = build.build_context(config, DistContext(rank, world_size, 0, torch.device("cpu"), "fake", False))
             with ledger.labelled("parameters"), sim.all_fake():
                 parts = build.build_policy_parts(config, pctx, build.precision_of(config, pctx), fill_values=False)
-            engine = build.build_engine(config, schedule, parts, pctx, _fixed_rewards)
+            components = len(config.reward.weights or {}) if config.reward.aggregate == "advantages" else 0
+            engine = build.build_engine(config, schedule, parts, pctx,
+                                        functools.partial(_fixed_rewards, components=components))
             labeller = _Labeller(sim, engine, schedule)
             engine.phase_listener = labeller
             hyper = parts.policy.config.to_diffusers_config()

@@ -10,9 +10,13 @@ A new estimator is one decorated function::
 ``±adv_clip_max`` and returns float32. Group-normalised estimators may also register their
 affine form ``A_i = alpha_i * r_i + gamma_i`` (``register_advantage(name, affine=fn)``), which the
 recompute-free schedules use to correct provisional gradients (docs/algorithms.md §6).
+
+With several rewards (``reward.aggregate: advantages``) ``compute_advantages`` takes (N, K) rewards and their
+``weights``: each column gets its own group advantage A_k and the advantage is clamp(Σ_k w_k A_k).
 """
 
-from typing import Callable, Dict, List, Optional, Tuple
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -143,6 +147,33 @@ def dance_grpo(rewards: Tensor, group_ids: Tensor, *, eps: float = DANCE_GRPO_EP
     return (rewards - mean) / (std + eps)
 
 
+def weighted_sum(values: Tensor, weights: Sequence[float]) -> Tensor:
+    """Σ_k w_k · values[..., k], summed in float64 in the order of ``weights``; float32 shaped as values[..., 0]."""
+    if values.ndim < 1 or values.shape[-1] != len(weights) or not weights:
+        raise ValueError(f"weighted_sum: {len(weights)} weights for values of shape {tuple(values.shape)}")
+    total: Optional[Tensor] = None
+    for k, weight in enumerate(weights):
+        term = weight * values[..., k].to(torch.float64)
+        total = term if total is None else total + term
+    return total.to(torch.float32)
+
+
+def _weighted_advantage(fn: AdvantageFn, rewards: Tensor, group_ids: Tensor, weights: Sequence[float],
+                        global_std: bool) -> Tensor:
+    """Σ_k w_k · fn(rewards[:, k]) in float64: one group advantage per component reward, then the weighted sum."""
+    if not isinstance(rewards, Tensor) or rewards.ndim != 2 or rewards.shape[1] != len(weights):
+        raise ValueError(f"rewards of {len(weights)} components must be an (N, {len(weights)}) tensor, "
+                         f"got shape {tuple(getattr(rewards, 'shape', ()))}")
+    if not weights or not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"component weights must be finite and at least one, got {list(weights)}")
+    total: Optional[Tensor] = None
+    for k, weight in enumerate(weights):
+        column, ids = _validate(rewards[:, k], group_ids)
+        term = weight * fn(column, ids, global_std=global_std)
+        total = term if total is None else total + term
+    return total
+
+
 def _check_clip(adv_clip_max: Optional[float]) -> None:
     if adv_clip_max is not None and not adv_clip_max > 0:
         raise ValueError(f"adv_clip_max must be > 0 or None, got {adv_clip_max}")
@@ -155,15 +186,21 @@ def compute_advantages(
     *,
     adv_clip_max: Optional[float],
     global_std: bool = False,
+    weights: Optional[Sequence[float]] = None,
 ) -> Tensor:
     """Advantages (N,) float32 of ``rewards`` (N,) grouped by ``group_ids`` (N,), any order of ids.
 
-    Computed in float64, then clamped to ``±adv_clip_max`` (``None``: no clamp).
+    Computed in float64, then clamped to ``±adv_clip_max`` (``None``: no clamp). With ``weights`` (K floats)
+    ``rewards`` is (N, K): each component k gets its own advantage A_k (its own group means and stds, or global
+    std), and the result is clamp(Σ_k w_k A_k), clamped after the sum (docs/algorithms.md §4).
     """
     fn = _lookup(kind, ADVANTAGES)
     _check_clip(adv_clip_max)
-    rewards64, ids = _validate(rewards, group_ids)
-    adv = fn(rewards64, ids, global_std=global_std)
+    if weights is None:
+        rewards64, ids = _validate(rewards, group_ids)
+        adv = fn(rewards64, ids, global_std=global_std)
+    else:
+        adv = _weighted_advantage(fn, rewards, group_ids, weights, global_std)
     if adv_clip_max is not None:
         adv = adv.clamp(-adv_clip_max, adv_clip_max)
     return adv.to(torch.float32)

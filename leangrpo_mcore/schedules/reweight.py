@@ -36,6 +36,9 @@ Options and exactness (never approximate silently):
   Σ (r_i − mean_g)·P_i is folded as soon as the group's rewards are gathered and the sum is multiplied by
   α = 1/(std_global + eps) once at the end of the update. Otherwise the per-sample buffers are kept until
   the whole step's rewards are known and scaled by the exact clamped advantages.
+- several rewards (``reward.aggregate: advantages``): A_i = Σ_k w_k A_{k,i} is no affine function of one reward
+  (each component has its own group mean and std), so neither the affine accumulators nor the global-std fold
+  apply: :func:`plan_reweight` keeps per-sample buffers, each scaled by its exact A_i.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from leangrpo_mcore.schedules.base import (
 )
 
 ACCUMULATE_MODES = ("per_sample", "affine")
+AGGREGATE_MODES = ("rewards", "advantages")
 _DDOF = {"flow_grpo": 0, "dance_grpo": 1}
 
 
@@ -97,10 +101,20 @@ class ReweightPlan:
 
 
 def plan_reweight(accumulate: str, *, advantage: str, group_size: int, prompts_per_step: int,
-                  adv_clip_max: Optional[float], global_std: bool) -> ReweightPlan:
-    """Pick the exact accumulation for these settings; ``affine`` falls back to per-sample when clamping may fire."""
+                  adv_clip_max: Optional[float], global_std: bool, aggregate: str = "rewards") -> ReweightPlan:
+    """Pick the exact accumulation for these settings; ``affine`` falls back to per-sample when clamping may fire,
+    and both ``affine`` and the global-std fold when ``aggregate`` is ``advantages`` (one advantage per reward)."""
     if accumulate not in ACCUMULATE_MODES:
         raise ValueError(f"unknown reweight accumulation {accumulate!r}; valid: {', '.join(ACCUMULATE_MODES)}")
+    if aggregate not in AGGREGATE_MODES:
+        raise ValueError(f"unknown reward aggregation {aggregate!r}; valid: {', '.join(AGGREGATE_MODES)}")
+    if aggregate == "advantages":
+        folds = [what for what, on in (("affine accumulation", accumulate == "affine"),
+                                       ("the global-std fold", global_std)) if on]
+        note = (f"reward.aggregate=advantages: A = Σ_k w_k A_k is no affine function of one reward, so "
+                f"{' and '.join(folds)} cannot apply; each sample keeps its own provisional gradient until its exact "
+                f"advantage is known") if folds else ""
+        return ReweightPlan(accumulate="per_sample", global_fold=False, note=note, global_std=global_std)
     total = group_size * prompts_per_step if global_std else None
     bound = max_abs_advantage(advantage, group_size, total)
     safe = adv_clip_max is None or bound <= adv_clip_max

@@ -9,6 +9,7 @@ from leangrpo_mcore.rl.advantages import (
     clamp_would_fire,
     compute_advantages,
     register_advantage,
+    weighted_sum,
 )
 
 # Three groups with ids deliberately interleaved and unsorted.
@@ -121,3 +122,69 @@ def test_registry_extension():
             register_advantage("_test_centered")(centered)
     finally:
         ADVANTAGES.pop("_test_centered")
+
+
+# Two components of very different scales on the groups above, and their weights (one negative).
+COMPONENTS = np.stack([REWARDS, 1e-2 * np.array([3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0, 5.0, 3.0])], axis=1)
+WEIGHTS = (1.0, -0.5)
+
+
+def _multi_reference(components, ids, weights, *, ddof, eps, global_std, clip):
+    """float64: Σ_k w_k (r_k − group mean_k) / (std_k + eps), std with ``ddof`` (of all N with global std), clamped."""
+    total = np.zeros(len(ids))
+    for k, weight in enumerate(weights):
+        total += weight * _numpy_reference(components[:, k], ids, ddof=ddof, eps=eps, global_std=global_std)
+    return total if clip is None else np.clip(total, -clip, clip)
+
+
+@pytest.mark.parametrize(
+    "kind,ddof,eps,global_std",
+    [
+        ("flow_grpo", 0, 1e-4, False),
+        ("flow_grpo", 0, 1e-4, True),
+        ("dance_grpo", 1, 1e-8, False),
+        ("dance_grpo", 1, 1e-8, True),
+    ],
+)
+@pytest.mark.parametrize("clip", [None, 0.4])
+def test_component_advantages_match_numpy(kind, ddof, eps, global_std, clip):
+    components32 = COMPONENTS.astype(np.float32)
+    expected = _multi_reference(components32.astype(np.float64), IDS, WEIGHTS, ddof=ddof, eps=eps,
+                                global_std=global_std, clip=clip)
+    adv = compute_advantages(kind, torch.tensor(components32), torch.tensor(IDS), adv_clip_max=clip,
+                             global_std=global_std, weights=WEIGHTS)
+    assert adv.dtype == torch.float32 and adv.shape == (10,)
+    np.testing.assert_allclose(adv.numpy(), expected, rtol=1e-6, atol=1e-6)
+    if clip is not None:  # the clamp fires, and after the sum: clamping each component first would differ
+        unclamped = _multi_reference(COMPONENTS, IDS, WEIGHTS, ddof=ddof, eps=eps, global_std=global_std, clip=None)
+        assert np.abs(unclamped).max() > clip
+        per_component = sum(w * np.clip(_numpy_reference(COMPONENTS[:, k], IDS, ddof=ddof, eps=eps,
+                                                         global_std=global_std), -clip, clip)
+                            for k, w in enumerate(WEIGHTS))
+        assert np.abs(per_component - expected).max() > 1e-2
+
+
+def test_component_advantages_differ_from_the_advantage_of_the_weighted_sum():
+    components = torch.tensor(COMPONENTS, dtype=torch.float32)
+    per_component = compute_advantages("flow_grpo", components, torch.tensor(IDS), adv_clip_max=None, weights=WEIGHTS)
+    summed = compute_advantages("flow_grpo", weighted_sum(components, WEIGHTS), torch.tensor(IDS), adv_clip_max=None)
+    assert (per_component - summed).abs().max() > 0.1
+    one = compute_advantages("flow_grpo", components[:, :1], torch.tensor(IDS), adv_clip_max=None, weights=(1.0,))
+    assert torch.equal(one, compute_advantages("flow_grpo", components[:, 0], torch.tensor(IDS), adv_clip_max=None))
+
+
+def test_weighted_sum_and_component_errors():
+    values = torch.tensor([[1.0, 2.0], [3.0, -4.0]])
+    assert weighted_sum(values, (0.5, 2.0)).tolist() == [4.5, -6.5]
+    ids = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"an \(N, 2\) tensor, got shape \(2,\)"):
+        compute_advantages("flow_grpo", values[:, 0], ids, adv_clip_max=None, weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match=r"an \(N, 3\) tensor, got shape \(2, 2\)"):
+        compute_advantages("flow_grpo", values, ids, adv_clip_max=None, weights=(1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="finite"):
+        compute_advantages("flow_grpo", values, ids, adv_clip_max=None, weights=(1.0, float("nan")))
+    with pytest.raises(ValueError, match="non-finite"):
+        compute_advantages("flow_grpo", torch.tensor([[1.0, 2.0], [3.0, float("inf")]]), ids, adv_clip_max=None,
+                           weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match="2 weights for values of shape"):
+        weighted_sum(torch.ones(3), (1.0, 1.0))

@@ -65,6 +65,8 @@ class Case:
     """parallel.reshard_after_forward (False: parameters stay gathered until the optimizer step; None: auto)."""
     async_scoring: bool = False
     """reward.async_scoring: each group scored in the background during the next group's rollout."""
+    reward_weights: Optional[tuple[float, ...]] = None
+    """reward.aggregate=advantages: the weights of the (B, K) component rewards the reward function returns."""
 
     def but(self, **changes) -> "Case":
         """A copy with ``changes``."""
@@ -93,6 +95,10 @@ class Outcome:
     """Global gradient norm of each update (before clipping)."""
     losses: list[float]
     """Loss of each update (summed over ranks)."""
+    advantages: Optional[np.ndarray] = None
+    """(P, M) clamped advantages of the step."""
+    components: Optional[np.ndarray] = None
+    """(P, M, K) component rewards (reward.aggregate=advantages), else None."""
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -193,7 +199,7 @@ def run_case(case: Case, reward_fn=None) -> Outcome:
         advantage=case.advantage, adv_clip_max=case.adv_clip_max, global_std=case.global_std, layout=case.layout,
         micro_batch=case.micro_batch, updates_per_rollout=case.updates, sync=case.sync,
         reweight_accumulate=case.accumulate, max_grad_norm=1.0, seed=3, reshard_after_forward=case.reshard,
-        async_scoring=case.async_scoring,
+        async_scoring=case.async_scoring, reward_weights=case.reward_weights,
     )
     named = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -207,7 +213,9 @@ def run_case(case: Case, reward_fn=None) -> Outcome:
                    rewards=result.rewards.numpy(),
                    trajectory=torch.cat(pieces).numpy(), ratio=[(u.ratio_min, u.ratio_max) for u in result.updates],
                    buffers=result.updates[0].max_local_grad_buffers,
-                   grad_norms=[u.grad_norm for u in result.updates], losses=[u.loss for u in result.updates])
+                   grad_norms=[u.grad_norm for u in result.updates], losses=[u.loss for u in result.updates],
+                   advantages=result.advantages.numpy(),
+                   components=None if result.component_rewards is None else result.component_rewards.numpy())
 
 
 def rel_l2(a: list[np.ndarray], b: list[np.ndarray]) -> float:

@@ -1,10 +1,12 @@
 """A weighted sum of named rewards: ``build_reward("weighted", weights={"ocr": 1.0, "jpeg_compressibility": 0.1})``."""
 
 import math
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from leangrpo_mcore.rl.advantages import weighted_sum
 
 from .base import ValidatedReward
 from .registry import build_reward, register_reward
@@ -52,13 +54,21 @@ class WeightedReward:
 
     def combine(self, values: Mapping[str, Tensor]) -> Tensor:
         """The weighted (optionally z-scored) sum (B,) float32 of component values."""
-        total: Optional[Tensor] = None
-        for name, weight in self.weights.items():
+        columns = []
+        for name in self.weights:
             value = values[name].to(torch.float64)
             if self.normalize:
                 value = (value - value.mean()) / (value.std(correction=0) + self.eps)
-            total = weight * value if total is None else total + weight * value
-        return total.to(torch.float32)
+            columns.append(value)
+        return weighted_sum(torch.stack(columns, dim=-1), list(self.weights.values()))
+
+    def scored_components(self, images: Tensor, prompts: List[str]) -> Tuple[Tensor, Tensor]:
+        """(components (B, K) float32 in the order of ``weights``, their :meth:`combine` (B,) float32).
+
+        The per-component rewards that ``reward.aggregate: advantages`` turns into one group advantage each.
+        """
+        values = self.component_values(images, prompts)
+        return torch.stack([values[name] for name in self.weights], dim=1), self.combine(values)
 
     def __call__(self, images: Tensor, prompts: List[str]) -> Tensor:
         """Weighted reward (B,) float32 of images (B, 3, H, W) in [0, 1]."""
