@@ -41,7 +41,8 @@ _WORDS = {
     "pipeline_bubble": "the pipeline bubble",
     "grad_sync": "gradient synchronisation", "grad_buffers": "gradient-buffer traffic",
     "optimizer": "the optimizer", "reward": "rewards", "provisional_grads": "provisional gradients",
-    "activations": "activations", "weights": "weights",
+    "activations": "activations", "weights": "weights", "reward_model": "the reward model",
+    "reward_activations": "the reward model's activations",
 }
 
 
