@@ -6,9 +6,9 @@ them by ``dp_shard x cp``, TP by ``tp`` for the head-parallel layers), the gathe
 activations from the calibrated fit (:mod:`leangrpo_mcore.parallel.activations`), Reweight's unsharded
 provisional gradients, the rollout's working set and trajectory store, fixed reservations (CUDA/NCCL overhead,
 ``--reward-mem-gb``) and, on the scoring ranks only (CP rank 0 of the last pipeline stage), the learned reward
-model and its scoring activations (:mod:`leangrpo_mcore.parallel.reward_specs`). Context parallelism (``cp``) splits every sample's tokens, so the per-token terms
-(activations, working sets, Retain's graphs, trajectory latents) are divided by ``cp``; the unsharded gradients
-are not (each CP rank holds a full-size partial one).
+model and its scoring activations (:mod:`leangrpo_mcore.parallel.reward_specs`). Context parallelism (``cp``)
+splits every sample's tokens, so the per-token terms (activations, working sets, Retain's graphs, trajectory
+latents) are divided by ``cp``; the unsharded gradients are not (each CP rank holds a full-size partial one).
 
 Time (seconds per optimizer step) adds compute (FLOPs over the GPU rate times an efficiency, divided by ``cp``),
 FSDP all-gathers, TP all-reduces, CP all-to-alls, gradient reduce-scatters (+ HSDP all-reduce across replicas),

@@ -3,8 +3,9 @@
 A candidate (schedule, TP / FSDP degrees, activation checkpointing) of an experiment becomes a :class:`Config`
 (the YAML config as written, or the config the command-line flags describe) and is simulated by
 :func:`leangrpo_mcore.parallel.simulate.simulate`. What the planner counts and a simulation cannot hold — the
-per-GPU overhead outside tensors and the resident reward model (a planner input or derived from the reward's
-architecture) — is added to the simulated peak as ``reserved``, so that ``simulated_peak_bytes`` compares directly with ``peak_mem_bytes``.
+per-GPU overhead outside tensors and the resident reward model (a planner input, or derived from the reward's
+architecture) — is added to the simulated peak as ``reserved``, so that ``simulated_peak_bytes`` compares
+directly with ``peak_mem_bytes``.
 """
 
 from __future__ import annotations

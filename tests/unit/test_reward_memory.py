@@ -103,3 +103,20 @@ def test_only_the_last_pipeline_stage_holds_the_reward_model():
             for phase, terms in est.phases.items():
                 extra = 0 if stage == 0 else weights + (acts if phase == "reward" else 0)
                 assert sum(terms.values()) - sum(jpeg[schedule].phases[phase].values()) == extra, (stage, phase)
+
+
+def test_simulation_adds_the_resident_reward_model_as_predicted(monkeypatch):
+    from leangrpo_mcore.parallel import simulate as sim_module
+    from leangrpo_mcore.parallel.simulate import Simulation
+    from leangrpo_mcore.parallel.simulate_plan import simulate_candidate
+
+    config = load_config(FLOWGRPO_LORA)
+    result = plan(workload_from_config(config), Hardware(nodes=1, gpus_per_node=8, gpu_mem_bytes=80 * 1024 ** 3),
+                  tp=1, cp=1, pp=1)
+    monkeypatch.setattr(sim_module, "simulate", lambda *args, **kwargs: Simulation(
+        peak_bytes=10 * 1024 ** 3, step_peak_bytes=0, breakdown={"parameters": 10 * 1024 ** 3}, seconds=0.0,
+        fake_reads=0))
+    out = simulate_candidate(config, result.chosen, result)
+    reserved = int(1.5 * 1024 ** 3) + 2 * VIT_H_PARAMS  # the default --overhead-gb and the bf16 reward model
+    assert out["simulated_breakdown"]["reserved"] == reserved
+    assert out["simulated_peak_bytes"] == 10 * 1024 ** 3 + reserved
