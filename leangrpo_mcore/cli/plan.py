@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                 ("--hbm-gbps", 1500.0, "GPU memory bandwidth, GB/s"),
                 ("--overhead-gb", 1.5, "per-GPU memory outside tensors (CUDA context, NCCL, allocator), GiB"),
                 ("--reward-seconds", 0.0, "reward time per generation, s"),
-                ("--reward-mem-gb", 0.0, "memory reserved per GPU for the reward model, GiB"),
+                ("--reward-mem-gb", 0.0, "memory reserved per GPU for a reward model the planner does not derive "
+                                         "(a plugin's; a YAML config's built-in learned reward is derived), GiB"),
                 ("--decode-mem-gb", 0.0, "transient memory of VAE decode + reward scoring of a micro-batch, GiB"))
     for flag, default, text in hardware:
         p.add_argument(flag, type=float, default=default, help=f"{text} (default: {default})")

@@ -45,7 +45,8 @@ ROLLOUT_PHASES = ("rollout", "reward", "advantage")
 build up in the first and are consumed in the second, and only the first scales with the trained steps."""
 FIRST_BACKWARD = "update_first_backward"
 """Retain's update region up to the end of its first backward."""
-NOT_SIMULATED = ("text encoding (before the step)", "latent decoding and the reward model (planner inputs)")
+NOT_SIMULATED = ("text encoding (before the step)",
+                 "latent decoding and the reward model (the planner's terms; the resident model is added as predicted)")
 
 
 @dataclass
