@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                 ("--hbm-gbps", 1500.0, "GPU memory bandwidth, GB/s"),
                 ("--overhead-gb", 1.5, "per-GPU memory outside tensors (CUDA context, NCCL, allocator), GiB"),
                 ("--reward-seconds", 0.0, "reward time per generation, s"),
-                ("--reward-mem-gb", 0.0, "memory reserved per GPU for the reward model, GiB"),
+                ("--reward-mem-gb", 0.0, "memory reserved per GPU for a reward model the planner does not derive "
+                                         "(a plugin's; a YAML config's built-in learned reward is derived), GiB"),
                 ("--decode-mem-gb", 0.0, "transient memory of VAE decode + reward scoring of a micro-batch, GiB"))
     for flag, default, text in hardware:
         p.add_argument(flag, type=float, default=default, help=f"{text} (default: {default})")
@@ -178,8 +179,12 @@ def render(result: Plan, top: int = 0) -> str:
     lines = [f"model {w.arch.name}: {w.tokens['image']} image/video + {w.tokens['text']} text tokens, T={w.num_steps}, "
              f"|S|={w.selected_steps}, M={w.group_size}, {w.prompts_per_step} prompt(s)/step, "
              f"{'LoRA r=%d' % w.lora_rank if w.lora_rank else 'full fine-tune'}, {w.precision.name}"
-             f"{', CFG' if w.cfg else ''}; {result.hardware.nodes} node(s) x {result.hardware.gpus_per_node} GPUs",
-             ""]
+             f"{', CFG' if w.cfg else ''}; {result.hardware.nodes} node(s) x {result.hardware.gpus_per_node} GPUs"]
+    if w.reward_model:
+        lines.append(f"reward model {w.reward_model} on the scoring ranks (CP rank 0 of the last stage): "
+                     f"{w.reward_model_bytes / GiB:.1f} GiB resident + {w.reward_activation_bytes / GiB:.2f} GiB "
+                     f"activations while scoring")
+    lines.append("")
     head = f"schedule: {result.schedule}" if result.ok else "schedule: none (nothing fits)"
     lines += [head] + textwrap.wrap(result.reason, 110, initial_indent="  ", subsequent_indent="  ") + [""]
     lines.append(f"{'schedule':9}{'pp':>3}{'tp':>3}{'cp':>3}{'shard':>6}{'repl':>5}{'Q':>4}{'P':>4}{'ckpt':>5}"

@@ -136,6 +136,11 @@ class ModelConfig:
     """A diffusers transformer directory or a leangrpo_mcore checkpoint; null builds from `preset` + `arch`."""
     preset: Optional[str] = "tiny"
     """Named architecture preset of the family (e.g. tiny, flux-dev, wan2.1-1.3b) for random init."""
+    random_init: bool = False
+    """Train a full-size preset (any preset but the tiny ones) from random weights without `path`. Off, a run
+    (and leangrpo-eval) without `path` is refused for such a preset: RL fine-tuning starts from pretrained
+    weights, and a forgotten `path` would otherwise train noise. The planner reads no weights and never needs it; a benchmark of a full-size
+    preset sets it."""
     arch: dict[str, Any] = option(factory=dict)
     """Overrides of the preset's diffusers-style hyper-parameters (e.g. num_layers)."""
     backend: str = option("auto", choices=("auto", "local", "te"))

@@ -122,8 +122,31 @@ def build_context(config: Config, dist_ctx: DistContext) -> ParallelContext:
     return build_parallel_context(Layout.from_config(config.parallel), dist_ctx.device)
 
 
+_PRESET_SOURCES = {"flux-dev": "FLUX.1-dev", "flux-schnell": "FLUX.1-schnell", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
+                   "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-ti2v-5b": "Wan2.2-TI2V-5B"}
+"""The released model of each full-size preset, named in the error of :func:`check_model_source`."""
+
+
+def check_model_source(config: Config) -> None:
+    """UserError when the run would RL-train a randomly initialised full-size policy: no ``model.path`` for a
+    preset other than the tiny ones, unless ``model.random_init`` says so on purpose."""
+    m = config.model
+    if m.path is None and m.preset is not None and "tiny" not in m.preset and not m.random_init:
+        raise UserError(f"model.path is not set: preset {m.preset} would RL-train a randomly initialised model; set "
+                        f"model.path to the {_PRESET_SOURCES.get(m.preset, 'pretrained')} transformer directory (or "
+                        f"model.random_init: true on purpose)")
+
+
 def policy_hyper(config: Config) -> tuple[ModelFamily, dict]:
-    """The policy's family and diffusers-style hyper-parameters, read without building or loading any weights."""
+    """The policy's family and diffusers-style hyper-parameters of a run that trains or evaluates it
+    (:func:`check_model_source` first), read without building or loading any weights."""
+    check_model_source(config)
+    return architecture_hyper(config)
+
+
+def architecture_hyper(config: Config) -> tuple[ModelFamily, dict]:
+    """:func:`policy_hyper` without the model-source check, for what never needs the weights (the planner's
+    simulation)."""
     m = config.model
     if m.path is not None:
         if not os.path.isdir(m.path):

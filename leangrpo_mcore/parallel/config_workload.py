@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config, load_arch, preset_config
+from leangrpo_mcore.parallel.reward_specs import reward_memory
 from leangrpo_mcore.parallel.workload import GiB, Precision, Workload
 
 DEFAULT_TEXT_TOKENS = 512  # T5 / UMT5 maximum length of the released FLUX and Wan pipelines
@@ -60,7 +61,9 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
     """The :class:`Workload` of an experiment config, as written.
 
     ``text_tokens`` defaults to the text encoder's length: ``model.text_max_length`` (T5 / UMT5: 512), 16 for the
-    hashed CPU embedder.
+    hashed CPU embedder. A learned reward's model and scoring activations come from ``reward``
+    (:mod:`leangrpo_mcore.parallel.reward_specs`); ``reward_mem_gb`` reserves more on every rank (e.g. a plugin's
+    model).
     """
     m, s = config.model, config.sampler
     if m.path:
@@ -77,6 +80,7 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
     tokens = arch.tokens(s.height, s.width, s.frames, text_tokens)
     # null targets: the family's default set (as ``engine.build`` resolves them)
     targets = DEFAULT_LORA_TARGETS[arch.family] if m.lora.targets is None else tuple(m.lora.targets)
+    scorer = reward_memory(config.reward)
     return Workload(
         arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=selected_steps_of(config),
         group_size=config.grpo.group_size, prompts_per_step=config.grpo.prompts_per_step,
@@ -84,7 +88,8 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
         precision=precision_from_config(config), activation_checkpointing=m.activation_checkpointing,
         kl_beta=config.grpo.kl_beta, cfg=s.cfg_scale > 1.0, updates_per_rollout=config.grpo.updates_per_rollout,
         reward_seconds=reward_seconds, reward_mem_bytes=int(reward_mem_gb * GiB), decode_bytes=decode_bytes,
-        optimizer=config.optim.name,
+        reward_model_bytes=scorer.weights_bytes, reward_activation_bytes=scorer.activation_bytes,
+        reward_model=scorer.name, optimizer=config.optim.name,
         momentum=config.optim.momentum, reshard_after_forward=config.parallel.reshard_after_forward,
         selection=config.grpo.timestep_selection,
         reweight_accumulate=reweight_plan_of(config).accumulate, coalesce_sync=config.schedule.coalesce_sync,

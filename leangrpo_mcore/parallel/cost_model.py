@@ -4,10 +4,11 @@ Memory (bytes per GPU) is the maximum over the phases of a step (rollout, the sc
 optimizer step) of the tensors alive in that phase: sharded weights / gradients / optimizer state (FSDP2 divides
 them by ``dp_shard x cp``, TP by ``tp`` for the head-parallel layers), the gathered working parameters,
 activations from the calibrated fit (:mod:`leangrpo_mcore.parallel.activations`), Reweight's unsharded
-provisional gradients, the rollout's working set and trajectory store, and fixed reservations (reward model,
-CUDA/NCCL overhead). Context parallelism (``cp``) splits every sample's tokens, so the per-token terms
-(activations, working sets, Retain's graphs, trajectory latents) are divided by ``cp``; the unsharded gradients
-are not (each CP rank holds a full-size partial one).
+provisional gradients, the rollout's working set and trajectory store, fixed reservations (CUDA/NCCL overhead,
+``--reward-mem-gb``) and, on the scoring ranks only (CP rank 0 of the last pipeline stage), the learned reward
+model and its scoring activations (:mod:`leangrpo_mcore.parallel.reward_specs`). Context parallelism (``cp``)
+splits every sample's tokens, so the per-token terms (activations, working sets, Retain's graphs, trajectory
+latents) are divided by ``cp``; the unsharded gradients are not (each CP rank holds a full-size partial one).
 
 Time (seconds per optimizer step) adds compute (FLOPs over the GPU rate times an efficiency, divided by ``cp``),
 FSDP all-gathers, TP all-reduces, CP all-to-alls, gradient reduce-scatters (+ HSDP all-reduce across replicas),
@@ -109,6 +110,9 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
     # (parallel/sequence.py), and the prompt's text embeddings.
     trajectory = -(-4 * (work.num_steps + 1) * work.arch.latent_elements(work.tokens) * cfg // cp)
     trajectory += work.tokens["text"] * text_width * prec.compute_bytes
+    # Only CP rank 0 of the last stage scores (engine/step.py): it alone holds the reward model. The planner's
+    # rank of a stage stands for its heaviest one, so the last stage's is that scoring rank.
+    scores = stage == layout.pp - 1
     return {
         "weights": math.ceil((trainable * prec.storage_bytes + frozen * prec.compute_bytes) / s),
         "optimizer_temporaries": math.ceil((trainable if work.foreach_optimizer else _largest_weight(arch))
@@ -118,6 +122,8 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
         "gathered_params": gathered * prec.compute_bytes,
         "reference": math.ceil(params * prec.compute_bytes / s) if work.kl_beta > 0 and work.full_finetune else 0,
         "reserved": hw.overhead_bytes + work.reward_mem_bytes,
+        "reward_model": work.reward_model_bytes if scores else 0,
+        "reward_activations": work.reward_activation_bytes if scores else 0,
         "activations_step": per_sample_step * shape.micro_batch,
         "activations_sample_step": per_sample_step,
         "backward_transient": recompute + working + block_grad,
@@ -175,14 +181,15 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
         raise UserError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
     work = _for_schedule(work, layout, schedule)
     m = _memory_terms(work, hw, layout, ac, stage)
-    base = {k: m[k] for k in ("weights", "optimizer", "gathered_params", "reference", "reserved")}
+    base = {k: m[k] for k in ("weights", "optimizer", "gathered_params", "reference", "reserved", "reward_model")}
     unsharded = m["gradient_buffer"] if _coalesced(work, schedule) else 0
     sharded = 0 if _coalesced(work, schedule) else m["grads"]
     trajectories = m["trajectory"] * (m["samples"] if schedule == "native" else 1)
     phases = {
         "rollout": {**base, "trajectories": trajectories, "rollout_working": m["rollout_working"]},
         "optimizer_step": {"weights": m["weights"], "optimizer": m["optimizer"], "grads": m["grads"],
-                           "reserved": m["reserved"], "optimizer_temporaries": m["optimizer_temporaries"]},
+                           "reserved": m["reserved"], "reward_model": m["reward_model"],
+                           "optimizer_temporaries": m["optimizer_temporaries"]},
     }
     if _coalesced(work, schedule) or work.updates_per_rollout > 1:
         # Reducing the unsharded gradient into the sharded one holds both; one data-parallel rank just moves it.
@@ -221,7 +228,8 @@ def _reward_phase(m: dict, base: dict, schedule: str, graphs: int, trajectories:
                        "unsharded_grads": unsharded if later_group else 0},
             "reweight": {"provisional_grads": m["gradient_buffer"] * m["buffers"],
                          "grads": m["grads"] if later_group else 0}}[schedule]
-    return {**base, **held, "trajectories": trajectories, "decode": m["decode"]}
+    return {**base, **held, "trajectories": trajectories, "decode": m["decode"],
+            "reward_activations": m["reward_activations"]}
 
 
 def heaviest_stage(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> tuple[int, dict]:

@@ -41,7 +41,8 @@ _WORDS = {
     "pipeline_bubble": "the pipeline bubble",
     "grad_sync": "gradient synchronisation", "grad_buffers": "gradient-buffer traffic",
     "optimizer": "the optimizer", "reward": "rewards", "provisional_grads": "provisional gradients",
-    "activations": "activations", "weights": "weights",
+    "activations": "activations", "weights": "weights", "reward_model": "the reward model",
+    "reward_activations": "the reward model's activations",
 }
 
 
@@ -420,8 +421,8 @@ def predict_memory(config: Any, *, world_size: int = 1, text_tokens: Optional[in
     Degrees come from the config (``auto``: dp_replicate 1, dp_shard the rest after TP and CP). The default
     excludes the CUDA overhead, so the peak counts tensor bytes only, as a tensor-level meter sees them; each estimate's
     ``memory`` dict splits its peak phase into terms (weights, optimizer, activations, ...). ``decode_bytes`` is
-    the transient memory of decoding and scoring one micro-batch (the VAE and reward model are inputs of the
-    planner, not derived by it). ``device="cpu"`` models torch's CPU optimizer (one parameter at a time).
+    the transient memory of decoding one micro-batch (the VAE is an input of the planner; a built-in learned
+    reward's model and scoring activations are derived from ``config.reward``). ``device="cpu"`` models torch's CPU optimizer (one parameter at a time).
     ``stage`` picks the pipeline stage whose memory is predicted (default: the heaviest).
     """
     p = config.parallel

@@ -45,7 +45,8 @@ ROLLOUT_PHASES = ("rollout", "reward", "advantage")
 build up in the first and are consumed in the second, and only the first scales with the trained steps."""
 FIRST_BACKWARD = "update_first_backward"
 """Retain's update region up to the end of its first backward."""
-NOT_SIMULATED = ("text encoding (before the step)", "latent decoding and the reward model (planner inputs)")
+NOT_SIMULATED = ("text encoding (before the step)",
+                 "latent decoding and the reward model (the planner's terms; the resident model is added as predicted)")
 
 
 @dataclass
@@ -249,21 +250,21 @@ SIM_STEPS = 2
 
 def block_counts(config: Config) -> dict[str, int]:
     """The policy's blocks by kind (FLUX: double- and single-stream; Wan: one kind), in diffusers' keys."""
-    from leangrpo_mcore.engine.build import policy_hyper
+    from leangrpo_mcore.engine.build import architecture_hyper
 
-    family, hyper = policy_hyper(config)
+    family, hyper = architecture_hyper(config)
     keys = ("num_layers", "num_single_layers") if family.name == "flux" else ("num_layers",)
     return {key: int(hyper[key]) for key in keys}
 
 
 def with_blocks(config: Config, counts: dict[str, int]) -> Config:
     """``config`` with the policy's block counts replaced (the architecture otherwise as configured)."""
-    from leangrpo_mcore.engine.build import policy_hyper
+    from leangrpo_mcore.engine.build import architecture_hyper
 
     m = config.model
     arch = dict(m.arch)
     if m.path is not None:  # the architecture as the checkpoint states it; a simulation reads no weights
-        family, hyper = policy_hyper(config)
+        family, hyper = architecture_hyper(config)
         arch = {k: v for k, v in hyper.items() if not k.startswith("_")}
         m = dataclasses.replace(m, path=None, family=family.name, preset=None)
     return dataclasses.replace(config, model=dataclasses.replace(m, arch={**arch, **counts}))

@@ -3,8 +3,9 @@
 A candidate (schedule, TP / FSDP degrees, activation checkpointing) of an experiment becomes a :class:`Config`
 (the YAML config as written, or the config the command-line flags describe) and is simulated by
 :func:`leangrpo_mcore.parallel.simulate.simulate`. What the planner counts and a simulation cannot hold — the
-per-GPU overhead outside tensors and the resident reward model, both planner inputs — is added to the simulated
-peak as ``reserved``, so that ``simulated_peak_bytes`` compares directly with ``peak_mem_bytes``.
+per-GPU overhead outside tensors and the resident reward model (a planner input, or derived from the reward's
+architecture) — is added to the simulated peak as ``reserved``, so that ``simulated_peak_bytes`` compares
+directly with ``peak_mem_bytes``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def simulate_candidate(config: Config, est: Estimate, plan: Plan) -> dict:
         # megatron's missing optional kernels), not the plan's
         warnings.simplefilter("ignore", UserWarning)
         sim = simulate(candidate_config(config, est), plan.hardware.world_size, schedule=est.schedule)
-    reserved = int(est.memory.get("reserved", 0))
+    reserved = int(est.memory.get("reserved", 0)) + int(est.memory.get("reward_model", 0))
     out = sim.as_json()
     out["simulated_breakdown"]["reserved"] = reserved
     out["simulated_peak_bytes"] = sim.peak_bytes + reserved

@@ -105,6 +105,12 @@ class Workload:
     """Memory reserved per GPU for the reward model (always resident)."""
     decode_bytes: int = 0
     """Transient memory of decoding and scoring one micro-batch (VAE decode + reward forward)."""
+    reward_model_bytes: int = 0
+    """The learned reward model, resident on the scoring ranks only (CP rank 0 of the last pipeline stage)."""
+    reward_activation_bytes: int = 0
+    """Its inference activations of one scoring batch, on the scoring ranks while they score."""
+    reward_model: str = ""
+    """The reward model's name, for the plan's words ('' when the reward holds none)."""
     foreach_optimizer: bool = True
     """The optimizer updates all parameters at once (torch's default on CUDA: one parameter-sized temporary);
     False: one parameter at a time (torch's default on CPU)."""
