@@ -303,12 +303,20 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
                      pctx: Optional[ParallelContext] = None) -> DataParts:
     """Prompt dataset and sampler, text encoder, VAE decoder and reward for a policy of ``diffusers_config`` (the
     reward only on the ranks that score under ``pctx``; every rank without one)."""
-    dataset = PromptDataset.from_source(config.data.prompts, split="train")
+    dataset = prompts_from("data.prompts", config.data.prompts, "train")
     sampler = PromptSampler(len(dataset), config.grpo.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
     text, decoder = build_text_and_vae(config, family, diffusers_config, device)
     reward = _reward(config) if pctx is None else scoring_reward(lambda: _reward(config), pctx)
     return DataParts(dataset, sampler, text, decoder, reward)
+
+
+def prompts_from(key: str, source: str, split: str) -> PromptDataset:
+    """The prompts of config key ``key`` (``split`` of a dataset directory); a bad source is one line naming ``key``."""
+    try:
+        return PromptDataset.from_source(source, split=split)
+    except UserError as err:
+        raise UserError(f"{key}: {err}") from None
 
 
 def build_text_and_vae(config: Config, family: ModelFamily, diffusers_config: dict,

@@ -78,11 +78,12 @@ def reward_summary(values: np.ndarray) -> dict[str, Any]:
 
 
 def eval_dataset(config: Config) -> PromptDataset:
-    """The eval prompts: ``eval.prompts`` (its test split for a dataset directory), else the test split of
-    ``data.prompts`` where it has one, else its prompts; the first ``eval.num_prompts`` of them."""
+    """The eval prompts: ``eval.prompts``, else ``data.prompts`` (of a dataset directory its test split where it
+    has one); the first ``eval.num_prompts`` of them."""
     e = config.eval
-    source, split = (e.prompts, "test") if e.prompts is not None else eval_source(config.data.prompts)
-    dataset = PromptDataset.from_source(source, split=split)
+    key = "eval.prompts" if e.prompts is not None else "data.prompts"
+    source, split = eval_source(e.prompts if e.prompts is not None else config.data.prompts)
+    dataset = build.prompts_from(key, source, split)
     if e.num_prompts is not None and e.num_prompts < len(dataset):
         dataset = PromptDataset(dataset.records[:e.num_prompts], source=dataset.source)
     return dataset

@@ -164,3 +164,22 @@ def test_resume_drops_eval_rows_past_the_checkpoint(tmp_path):
     Path(run.eval_path).write_text("".join(json.dumps({"step": s, "rewards": {}}) + "\n" for s in (0, 2, 4, 6)))
     prepare(run, "x: 1\n", resume_step=4)
     assert [json.loads(line)["step"] for line in Path(run.eval_path).read_text().splitlines()] == [0, 2, 4]
+
+
+def test_eval_prompts_are_the_test_split_of_a_dataset_directory(tmp_path):
+    from leangrpo_mcore.engine.evaluate import eval_dataset
+    from leangrpo_mcore.errors import UserError
+
+    data = tmp_path / "pickscore"
+    data.mkdir()
+    (data / "train.txt").write_text("a train prompt\nanother\n")
+    (data / "test.txt").write_text("held out one\nheld out two\nheld out three\n")
+    config = load_config(TINY_FLUX, [f"data.prompts={data}", "eval.num_prompts=2"])
+    assert eval_dataset(config).prompts == ["held out one", "held out two"]
+    (tmp_path / "only_train").mkdir()
+    (tmp_path / "only_train" / "train.txt").write_text("x\n")
+    assert eval_dataset(load_config(TINY_FLUX, [f"eval.prompts={tmp_path / 'only_train'}"])).prompts == ["x"]
+    with pytest.raises(UserError, match=r"^eval\.prompts: prompt file not found"):
+        eval_dataset(load_config(TINY_FLUX, [f"eval.prompts={tmp_path / 'missing.txt'}"]))
+    with pytest.raises(UserError, match=r"^data\.prompts: "):
+        build.prompts_from("data.prompts", str(tmp_path / "nothing"), "train")
