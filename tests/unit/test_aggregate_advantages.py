@@ -18,7 +18,8 @@ import torch
 import yaml
 
 from leangrpo_mcore.schedules import plan_reweight
-from tests.unit.test_schedules_parity import Case, _reward, bitwise, check_parity, rel_l2, run_case
+from tests.unit.test_schedules_parity import (  # noqa: F401 -- _one_thread: the autouse fixture
+    Case, _one_thread, _reward, bitwise, check_parity, rel_l2, run_case)
 
 ROOT = Path(__file__).resolve().parents[2]
 WEIGHTS = (1.0, 0.5)
@@ -26,12 +27,6 @@ FLUX = Case(family="flux", reward_weights=WEIGHTS)
 DDOF_EPS = {"flow_grpo": (0, 1e-4), "dance_grpo": (1, 1e-8)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def two_rewards(final: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:

@@ -18,15 +18,10 @@ import pytest
 import torch
 
 from leangrpo_mcore.rl.rewards import RewardError, ValidatedReward, build_reward
-from tests.unit.test_schedules_parity import Case, _reward, bitwise, run_case
+from tests.unit.test_schedules_parity import (  # noqa: F401 -- _one_thread: the autouse fixture
+    Case, _one_thread, _reward, bitwise, run_case)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _slow_reward(final: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:

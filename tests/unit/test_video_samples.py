@@ -14,6 +14,7 @@ from leangrpo_mcore.cli.train import main as train_main
 from leangrpo_mcore.engine import samples
 from leangrpo_mcore.engine.video import save_video_grid
 from leangrpo_mcore.errors import UserError
+from tests.unit.test_wandb_log import offline as offline_wandb  # noqa: F401 -- the fixture
 
 iio = pytest.importorskip("imageio.v3", reason="the 'video' extra is not installed")
 pytest.importorskip("imageio_ffmpeg", reason="the 'video' extra is not installed")
@@ -86,21 +87,6 @@ def test_missing_video_extra_is_one_line(tmp_path, monkeypatch):
         save_video_grid(str(tmp_path / "v.mp4"), torch.rand(1, 3, 1, 8, 8), ["a"], [0.0])
     assert str(info.value) == "writing video samples needs the 'video' extra: pip install 'leangrpo_mcore[video]'"
     assert not (tmp_path / "v.mp4").exists()
-
-
-@pytest.fixture
-def offline_wandb(tmp_path, monkeypatch):
-    """wandb offline under tmp_path/wandb_files, no reachable network, one intra-op thread."""
-    for name in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
-        monkeypatch.setenv(name, "http://127.0.0.1:9")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_files"))
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    (tmp_path / "wandb_files").mkdir()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tmp_path / "wandb_files"
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb (the 'wandb' extra) is not installed")
