@@ -183,3 +183,25 @@ def test_eval_prompts_are_the_test_split_of_a_dataset_directory(tmp_path):
         eval_dataset(load_config(TINY_FLUX, [f"eval.prompts={tmp_path / 'missing.txt'}"]))
     with pytest.raises(UserError, match=r"^data\.prompts: "):
         build.prompts_from("data.prompts", str(tmp_path / "nothing"), "train")
+
+
+def test_eval_uses_the_ema_weights_and_leaves_training_untouched(tmp_path):
+    """With train.ema_decay the evaluation scores the EMA shadow, restored afterwards: the training run with
+    evaluations equals the one without, and leangrpo-eval with and without EMA differ."""
+    torch.set_num_threads(1)
+    common = ["--config", TINY_FLUX, "train.max_steps=2", "train.ema_decay=0.5", "checkpoint.save_every=1"]
+    assert train_main([*common, f"train.output_dir={tmp_path / 'plain'}"]) == 0
+    assert train_main([*common, f"train.output_dir={tmp_path / 'eval'}", *EVAL, "eval.every=1"]) == 0
+    plain, evaluated = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                        for name in ("plain", "eval"))
+    assert [r["reward_mean"] for r in plain] == [r["reward_mean"] for r in evaluated]
+    assert [r["grad_norm"] for r in plain] == [r["grad_norm"] for r in evaluated]
+    logged = [json.loads(line) for line in (tmp_path / "eval" / "eval.jsonl").read_text().splitlines()]
+    config, ckpt = str(tmp_path / "eval" / "config.yaml"), str(tmp_path / "eval" / "checkpoints" / "step_1")
+    for use_ema, out in (("true", "ema.json"), ("false", "raw.json")):
+        assert eval_main(["--config", config, "--checkpoint", ckpt, "--out", str(tmp_path / out),
+                          f"eval.use_ema={use_ema}"]) == 0
+    ema, raw = (json.loads((tmp_path / out).read_text())["rewards"]["mean_intensity_for_eval_tests"]
+                for out in ("ema.json", "raw.json"))
+    assert ema == logged[0]["rewards"]["mean_intensity_for_eval_tests"]  # the run evaluated its EMA by default
+    assert ema["mean"] != pytest.approx(raw["mean"], rel=1e-7)
