@@ -214,8 +214,8 @@ class Evaluator:
         s = self.config.sampler
         size = {"height": s.height, "width": s.width} if self.parts.family.name == "flux" else {}
         decoded = self.decoder.decode(latents, **size)
-        prompts = self.dataset.get([i for i, _ in pairs])
-        values = {name: reward(reward_input(decoded), prompts).double().tolist() for name, reward in self.rewards.items()}
+        prompts, metadata = self.dataset.get([i for i, _ in pairs]), self.dataset.metadata([i for i, _ in pairs])
+        values = {name: reward(reward_input(decoded), prompts, metadata).double().tolist() for name, reward in self.rewards.items()}
         first = next(iter(values))
         images = to_uint8(decoded.images)
         videos = None if decoded.video is None else video_to_uint8(decoded.video)

@@ -172,11 +172,12 @@ class RewardBridge:
         """What a failed batch returns: zeros shaped as its rewards."""
         return torch.zeros(batch, len(self.weighted.weights)) if self.weighted is not None else torch.zeros(batch)
 
-    def _components(self, images: torch.Tensor, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _components(self, images: torch.Tensor, prompts: list, metadata: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The weighted reward's (B, K) components and their weighted sum (B,); videos are scored on the frames that
         ``reward.options.frames`` names, averaged per video, as the reward's own call scores them."""
         flat, flat_prompts, k = flatten_videos(images, prompts, self.data.reward.frames)
-        components, total = self.weighted.scored_components(flat, flat_prompts)
+        components, total = self.weighted.scored_components(flat, flat_prompts,
+                                                            [row for row in metadata for _ in range(k)])
         batch = images.shape[0]
         return components.view(batch, k, -1).mean(dim=1), total.view(batch, k).mean(dim=1)
 
@@ -187,15 +188,16 @@ class RewardBridge:
     def __call__(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
         """(B,) rewards ((B, K) component rewards) of ``final_latents``; zeros after a reward error (the step is
         then abandoned)."""
-        prompts = self.data.dataset.get([int(i) for i in prompt_ids.tolist()])
+        ids = [int(i) for i in prompt_ids.tolist()]
+        prompts, metadata = self.data.dataset.get(ids), self.data.dataset.metadata(ids)
         index = self._next_call()
         if self.error is not None:
             return self._zeros(len(prompts))
         decoded = self._decode(final_latents)
         images = reward_input(decoded)
         try:
-            rewards, shown = self._split(self._components(images, prompts) if self.weighted is not None
-                                         else self.data.reward(images, prompts))
+            rewards, shown = self._split(self._components(images, prompts, metadata) if self.weighted is not None
+                                         else self.data.reward(images, prompts, metadata))
         except RewardError as err:
             self._failed(index, str(err))
             return self._zeros(len(prompts))
@@ -208,7 +210,8 @@ class RewardBridge:
         ``final_latents`` must not change until the Future is done. A reward error resolves the Future to
         zeros and sets :attr:`error` (as a call does); any other failure is the Future's exception.
         """
-        prompts = self.data.dataset.get([int(i) for i in prompt_ids.tolist()])
+        ids = [int(i) for i in prompt_ids.tolist()]
+        prompts, metadata = self.data.dataset.get(ids), self.data.dataset.metadata(ids)
         index = self._next_call()
         outer: Future = Future()
         if self.error is not None:
@@ -246,13 +249,13 @@ class RewardBridge:
                     images = reward_input(decoded)
                     submit = None if self.weighted is not None else getattr(self.data.reward, "submit", None)
                     if callable(submit):
-                        scoring = submit(images, prompts)
+                        scoring = submit(images, prompts, metadata)
                     elif self.weighted is not None:  # the components, each validated, scored here
                         scoring = Future()
-                        scoring.set_result(self._components(images, prompts))
+                        scoring.set_result(self._components(images, prompts, metadata))
                     else:  # a bare reward callable: score it here, on the decoding thread
                         scoring = Future()
-                        scoring.set_result(self.data.reward(images, prompts))
+                        scoring.set_result(self.data.reward(images, prompts, metadata))
             except RewardError as err:
                 scoring = Future()
                 scoring.set_exception(err)

@@ -205,3 +205,30 @@ def test_eval_uses_the_ema_weights_and_leaves_training_untouched(tmp_path):
                 for out in ("ema.json", "raw.json"))
     assert ema == logged[0]["rewards"]["mean_intensity_for_eval_tests"]  # the run evaluated its EMA by default
     assert ema["mean"] != pytest.approx(raw["mean"], rel=1e-7)
+
+
+if "metadata_score_for_tests" not in REWARDS:
+    @register_reward("metadata_score_for_tests")
+    def _metadata_score(images, prompts, metadata):
+        """The 'score' field of each prompt's metadata line (what a GenEval-style reward reads)."""
+        return torch.tensor([float(m["score"]) for m in metadata])
+
+
+def test_prompt_metadata_reaches_a_reward_that_takes_it(tmp_path):
+    data = tmp_path / "geneval"
+    data.mkdir()
+    (data / "train_metadata.jsonl").write_text('{"prompt": "two cats", "score": 1.5}\n'
+                                               '{"prompt": "a red cube", "score": -0.5}\n')
+    (data / "test_metadata.jsonl").write_text('{"prompt": "a cup", "score": 3}\n{"prompt": "two dogs", "score": 7}\n')
+    run = tmp_path / "run"
+    torch.set_num_threads(1)
+    assert train_main(["--config", TINY_FLUX, f"train.output_dir={run}", "train.max_steps=1", f"data.prompts={data}",
+                       "reward.name=metadata_score_for_tests", "eval.every=1"]) == 0
+    (row,) = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert row["reward_mean"] == pytest.approx(0.5)  # both training prompts, two generations each
+    (evaluated,) = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert evaluated["rewards"]["metadata_score_for_tests"]["per_prompt"] == [3.0, 7.0]  # the test split's lines
+    from leangrpo_mcore.rl.rewards import build_reward
+
+    video_reward = build_reward("metadata_score_for_tests", frames=2)
+    assert video_reward(torch.rand(2, 3, 5, 8, 8), ["a", "b"], [{"score": 2}, {"score": 4}]).tolist() == [2.0, 4.0]

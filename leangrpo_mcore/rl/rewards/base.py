@@ -7,6 +7,7 @@ scores in the background (``reward.async_scoring``): through the reward's own ``
 Future`` where it has one (the remote reward), else on a worker thread.
 """
 
+import inspect
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -98,6 +99,14 @@ def check_reward_output(name: str, values: object, batch_size: int) -> Tensor:
     return values
 
 
+def takes_metadata(fn: object) -> bool:
+    """Whether the reward function (or a callable object's ``__call__``) declares a ``metadata`` parameter."""
+    try:
+        return "metadata" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some C callables have no introspectable signature
+        return False
+
+
 class ValidatedReward:
     """A named reward whose inputs are checked and whose output is guaranteed finite float32 (B,).
 
@@ -108,6 +117,8 @@ class ValidatedReward:
         self.name = name
         self.fn = fn
         self.frames = parse_frames(frames)
+        self.takes_metadata = takes_metadata(fn)
+        """Whether ``fn`` declares a ``metadata`` keyword: it then gets each prompt's metadata dict too."""
         self._executor: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
@@ -129,18 +140,30 @@ class ValidatedReward:
         values = check_reward_output(self.name, values, batch * k)
         return values if k == 1 else values.view(batch, k).to(torch.float64).mean(dim=1).to(torch.float32)
 
-    def __call__(self, images: Tensor, prompts: List[str]) -> Tensor:
-        """Evaluate the reward; RewardError if it raises or returns a bad value."""
+    def _extra(self, metadata: Optional[Sequence[dict]], batch: int, k: int) -> dict:
+        """The ``metadata=`` keyword for the function (each video's dict repeated for its k frames), or nothing."""
+        if not self.takes_metadata:
+            return {}
+        rows = list(metadata) if metadata is not None else [{} for _ in range(batch)]
+        if len(rows) != batch:
+            raise ValueError(f"metadata must hold one dict per sample ({batch}), got {len(rows)}")
+        return {"metadata": [row for row in rows for _ in range(k)]}
+
+    def __call__(self, images: Tensor, prompts: List[str], metadata: Optional[Sequence[dict]] = None) -> Tensor:
+        """Evaluate the reward; RewardError if it raises or returns a bad value. ``metadata`` (one dict per sample:
+        the other fields of a prompt's metadata line) reaches a function that declares a ``metadata`` keyword."""
         flat, flat_prompts, k = self._flatten(images, prompts)
+        extra = self._extra(metadata, flat.shape[0] // k, k)
         try:
-            values = self.fn(flat, flat_prompts)
+            values = self.fn(flat, flat_prompts, **extra)
         except RewardError:
             raise
         except Exception as exc:  # noqa: BLE001 -- any failure of user reward code becomes one clear error
             raise self._error(exc) from exc
         return self._finish(values, flat.shape[0] // k, k)
 
-    def submit(self, images: Tensor, prompts: Sequence[str]) -> "Future[Tensor]":
+    def submit(self, images: Tensor, prompts: Sequence[str],
+               metadata: Optional[Sequence[dict]] = None) -> "Future[Tensor]":
         """Score in the background: a Future of what calling the reward returns, or of its RewardError.
 
         A reward with its own ``submit(images, prompts) -> Future`` gets the batch (the remote reward copies
@@ -155,11 +178,11 @@ class ValidatedReward:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"reward-{self.name}")
                 executor = self._executor
-            return executor.submit(self, images, list(prompts))
+            return executor.submit(self, images, list(prompts), metadata)
         outer: Future = Future()
         batch = flat.shape[0] // k
         try:
-            inner = own(flat, flat_prompts)
+            inner = own(flat, flat_prompts, **self._extra(metadata, batch, k))
         except Exception as exc:  # noqa: BLE001
             outer.set_exception(self._error(exc))
             return outer

@@ -49,7 +49,8 @@ def _signature(obj: Any) -> Optional[inspect.Signature]:
 
 
 def _check_call(name: str, fn: Any, options: Dict[str, Any]) -> None:
-    """UserError unless ``fn(images, prompts, **options)`` binds."""
+    """UserError unless ``fn(images, prompts, **options)`` binds (with ``metadata=`` where ``fn`` declares it: a
+    reward may take each prompt's metadata dict, see :class:`~leangrpo_mcore.rl.rewards.base.ValidatedReward`)."""
     signature = _signature(fn)
     if signature is None:
         return
@@ -58,8 +59,9 @@ def _check_call(name: str, fn: Any, options: Dict[str, Any]) -> None:
     except TypeError:
         raise UserError(f"reward '{name}' must be callable as (images, prompts); its signature is "
                         f"{signature}") from None
+    extra = {"metadata": None} if "metadata" in signature.parameters and "metadata" not in options else {}
     try:
-        signature.bind(None, None, **options)
+        signature.bind(None, None, **options, **extra)
     except TypeError as exc:
         raise UserError(f"reward '{name}': bad options {sorted(options)}: {exc}") from None
 
