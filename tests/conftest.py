@@ -8,7 +8,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (and TE where noted); skipped otherwise")
     config.addinivalue_line("markers", "distributed: spawns gloo ranks")
-    config.addinivalue_line("markers", "slow: an end-to-end run of more than a few seconds")
+    config.addinivalue_line("markers", "slow: an end-to-end run of more than a few seconds (every distributed test is "
+                                       "slow too: `pytest -m 'not slow'` is the quick tier)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,3 +23,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip)
+        if "distributed" in item.keywords:
+            item.add_marker(pytest.mark.slow)
