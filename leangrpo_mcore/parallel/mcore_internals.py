@@ -188,7 +188,8 @@ def _check_fsdp_param_state() -> None:
                        (_fsdp_param.FSDPParam, ("unsharded_accumulated_grad", "_unsharded_param", "reduce_dtype",
                                                 "sharded_param", "sharded_size"))):
         source = inspect.getsource(cls)
-        missing = [n for n in names if not hasattr(cls, n) and f"self.{n} " not in source and f"self.{n}:" not in source]
+        missing = [n for n in names
+                   if not hasattr(cls, n) and f"self.{n} " not in source and f"self.{n}:" not in source]
         assert not missing, f"{cls.__name__} lost {missing}"
     assert callable(getattr(_fsdp_param.FSDPParam, "to_sharded_dtensor", None))
 
@@ -209,8 +210,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("what the schedules read from a model (_Stage)", "parallel/pipeline.py", _check_model_reads),
     Internal("tensor-parallel parameter attributes", "models/common/tp.py, parallel/fsdp.py, engine/optim.py, "
              "engine/checkpoint.py", _check_tp_attributes),
-    Internal("fused_bias_gelu.bias_gelu_impl and fp8_utils.get_fp8_context", "models/backends.py, models/common/fp8.py",
-             _check_fusions),
+    Internal("fused_bias_gelu.bias_gelu_impl and fp8_utils.get_fp8_context",
+             "models/backends.py, models/common/fp8.py", _check_fusions),
     Internal("torch: the autograd engine's queue_callback", "parallel/routing.py", _check_queue_callback),
     Internal("torch: FSDP2's per-parameter gradient state", "parallel/grad_sync.py", _check_fsdp_param_state),
 )

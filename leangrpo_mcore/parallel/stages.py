@@ -264,9 +264,9 @@ class StagedVelocity:
         return [_Tied.apply(boundary, self.link, [velocity]) for boundary, velocity in zip(boundaries, shared)]
 
     def trained(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]], units: list[int],
-                loss_of: Callable[[int, torch.Tensor], torch.Tensor], route: Callable[[int, torch.Tensor], torch.Tensor],
-                grad_sync, *, phases: dict[str, str], forward_context: Callable[[bool], ContextManager]
-                ) -> list[torch.Tensor]:
+                loss_of: Callable[[int, torch.Tensor], torch.Tensor],
+                route: Callable[[int, torch.Tensor], torch.Tensor], grad_sync, *, phases: dict[str, str],
+                forward_context: Callable[[bool], ContextManager]) -> list[torch.Tensor]:
         """Grad-enabled forwards, each backpropagated at once, as megatron's 1F1B schedule over the stages: stage s
         runs micro-batch k's backward while stage s+1 runs micro-batch k+1's forward. Micro-batch k is a forward of
         ``requests[units[k]]`` (a request may be trained more than once, each time with a forward of its own);
