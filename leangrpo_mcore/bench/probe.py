@@ -110,7 +110,7 @@ class ForwardProbe:
         self.tally.rows[kind] += sum(int(latents.shape[0]) for latents, _, _ in requests)
         return out
 
-    def _timed_trained(self, requests: list, units: list[int], loss_of, around_backward, grad_sync, *, phases,
+    def _timed_trained(self, requests: list, units: list[int], loss_of, route, grad_sync, *, phases,
                        forward_context) -> list:
         """The wrapped function's forwards with immediate backwards (pipeline stages): each forward timed where the
         schedule enters its forward context (its transfers and backward are the schedule's)."""
@@ -126,7 +126,7 @@ class ForwardProbe:
             self.tally.seconds[kind] += time.perf_counter() - start
             self.tally.rows[kind] += 1
 
-        return self.inner.trained(requests, units, loss_of, around_backward, grad_sync, phases=phases,
+        return self.inner.trained(requests, units, loss_of, route, grad_sync, phases=phases,
                                   forward_context=timed)
 
     def __getattr__(self, name: str) -> Any:

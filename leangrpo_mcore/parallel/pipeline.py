@@ -22,7 +22,9 @@ in turn. What megatron reads from the model's config is built here, once per cal
   the CPU (:func:`cpu_bridge`). Nothing else on these paths touches CUDA.
 - **phases.** megatron brackets each micro-batch's forward + loss (``forward-compute``) and its backward
   (``backward-compute``) with ``config.timers``; :class:`_PhaseTimers` turns those brackets into the
-  project's phase hook, so the step's phase breakdown names exactly what the scheduler ran.
+  project's phase hook, so the step's phase breakdown names exactly what the scheduler ran. They only time:
+  where a micro-batch's gradient accumulates is decided by autograd hooks registered in its forward
+  (:mod:`leangrpo_mcore.parallel.routing`).
 
 The "model" megatron sees is :class:`_Stage`: the config plus the two attributes the scheduler asks for. The
 policy itself is reached through the schedule's velocity function inside ``forward_step_func``.
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from megatron.core.enums import ModelType
@@ -87,20 +89,12 @@ class _GroupSize:
         return self._size
 
 
-BackwardHook = Callable[[int], ContextManager]
-"""``around_backward(i)``: a context entered around the backward of the scheduler's i-th micro-batch on this rank."""
-
-
 class _PhaseTimers:
-    """megatron's ``timers(name, log_level)`` interface over the project's ``phase`` hook, and the one place a
-    micro-batch's backward can be bracketed: megatron's ``backward_step`` starts ``backward-compute`` before it
-    backpropagates and stops it after, one micro-batch at a time in micro-batch order on every stage (1F1B pops
-    its outputs first in, first out), so ``around_backward`` is entered there with the micro-batch's index."""
+    """megatron's ``timers(name, log_level)`` interface over the project's ``phase`` hook (timing only)."""
 
-    def __init__(self, phase: PhaseFn, names: dict[str, str], around_backward: Optional[BackwardHook] = None) -> None:
-        self.phase, self.names, self.around_backward = phase, names, around_backward
+    def __init__(self, phase: PhaseFn, names: dict[str, str]) -> None:
+        self.phase, self.names = phase, names
         self._open: dict[str, contextlib.ExitStack] = {}
-        self._backwards = 0
 
     def __call__(self, name: str, log_level: Optional[int] = None) -> "_PhaseTimers._Timer":
         return _PhaseTimers._Timer(self, name)
@@ -111,15 +105,10 @@ class _PhaseTimers:
 
         def start(self, barrier: bool = False) -> None:
             owner, phase = self.owner, self.owner.names.get(self.name)
-            hook = owner.around_backward if self.name == "backward-compute" else None
-            if phase is None and hook is None:
+            if phase is None:
                 return
             stack = contextlib.ExitStack()
-            if phase is not None:
-                stack.enter_context(owner.phase(phase))
-            if hook is not None:
-                stack.enter_context(hook(owner._backwards))
-                owner._backwards += 1
+            stack.enter_context(owner.phase(phase))
             owner._open[self.name] = stack
 
         def stop(self, barrier: bool = False) -> None:
@@ -129,15 +118,13 @@ class _PhaseTimers:
 
 
 def schedule_config(grad_sync: Optional[GradSync], phase: PhaseFn, phases: dict[str, str],
-                    dtype: torch.dtype = torch.float32,
-                    around_backward: Optional[BackwardHook] = None) -> ScheduleConfig:
-    """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` (and
-    ``around_backward``) as timers."""
+                    dtype: torch.dtype = torch.float32) -> ScheduleConfig:
+    """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` as timers."""
     return ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, deallocate_pipeline_outputs=False,
                           no_sync_func=grad_sync.backward_mode if grad_sync is not None else None,
                           grad_sync_func=None,
                           finalize_model_grads_func=None, grad_scale_func=None,
-                          timers=_PhaseTimers(phase, phases, around_backward), barrier_with_L1_time=False)
+                          timers=_PhaseTimers(phase, phases), barrier_with_L1_time=False)
 
 
 def _process_groups(cp_size: int, pp_group=None) -> ProcessGroupCollection:
@@ -214,8 +201,8 @@ waits for the other stages)."""
 def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequence, grad_sync: Optional[GradSync],
                       *, phase: PhaseFn, phases: dict[str, str], forward_only: bool = False,
                       dtype: torch.dtype = torch.float32, pipeline: Optional[torch.nn.Module] = None,
-                      ctx=None, input_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                      around_backward: Optional[BackwardHook] = None) -> Optional[list]:
+                      ctx=None, input_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                      ) -> Optional[list]:
     """Run ``micro_batches`` (any objects ``forward_step_func`` draws from its iterator) through megatron's
     ``get_forward_backward_func()``; returns the scheduler's per-micro-batch ``reduced`` (the last stage's).
 
@@ -225,9 +212,9 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     tensor on a stage other than the last, the boundaries and their gradients travel in ``dtype``, and the
     transfers are timed as the ``bubble`` phase. A ``forward_only`` call may go without ``grad_sync`` (then ``ctx``
     is the parallel context): nothing is backpropagated, so nothing is synchronised. ``input_hook`` maps each
-    boundary the scheduler hands a stage before the policy sees it. ``around_backward(i)`` is entered around the
-    backward of micro-batch i on this rank (:class:`_PhaseTimers`): where its gradient accumulates is the
-    caller's choice."""
+    boundary the scheduler hands a stage before the policy sees it. Where each micro-batch's gradient accumulates
+    is the caller's choice: a :class:`~leangrpo_mcore.parallel.routing.GradientRouter` hooked inside
+    ``forward_step_func`` routes each backward to its own slot."""
     if not micro_batches:
         return []
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -239,7 +226,7 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     pp = int(ctx.layout.pp) if pipeline is not None else 1
     if pp > 1:
         phases = {**phases, **{name: "bubble" for name in P2P_TIMERS}}
-    config = schedule_config(grad_sync, phase, phases, dtype, around_backward)
+    config = schedule_config(grad_sync, phase, phases, dtype)
     sync = grad_sync.backward_mode() if grad_sync is not None else contextlib.nullcontext()
     forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
     stage = _Stage(config, pipeline, input_hook)

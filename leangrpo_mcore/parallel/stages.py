@@ -264,19 +264,20 @@ class StagedVelocity:
         return [_Tied.apply(boundary, self.link, [velocity]) for boundary, velocity in zip(boundaries, shared)]
 
     def trained(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]], units: list[int],
-                loss_of: Callable[[int, torch.Tensor], torch.Tensor], around_backward: Callable[[int], ContextManager],
-                grad_sync, *, phases: dict[str, str], forward_context: Callable[[bool], ContextManager]
-                ) -> list[torch.Tensor]:
+                loss_of: Callable[[int, torch.Tensor], torch.Tensor],
+                route: Callable[[int, torch.Tensor], torch.Tensor], grad_sync, *, phases: dict[str, str],
+                forward_context: Callable[[bool], ContextManager]) -> list[torch.Tensor]:
         """Grad-enabled forwards, each backpropagated at once, as megatron's 1F1B schedule over the stages: stage s
         runs micro-batch k's backward while stage s+1 runs micro-batch k+1's forward. Micro-batch k is a forward of
         ``requests[units[k]]`` (a request may be trained more than once, each time with a forward of its own);
         returns each request's float32 velocity, detached, on every stage.
 
         On the last stage ``loss_of(k, velocity)`` forms micro-batch k's loss from its velocity (the scheduler
-        backpropagates it); ``around_backward(k)`` is entered around micro-batch k's backward on every stage (where
-        its gradient accumulates); ``grad_sync`` holds the reductions off or not (its mode), ``phases`` maps
-        megatron's compute timers to the step's phases (its transfers and waits are the :data:`BUBBLE`), and
-        ``forward_context(True)`` is entered around each forward."""
+        backpropagates it); ``route(k, output)`` hooks micro-batch k's output on every stage (the boundary, or the
+        last stage's velocity) so that its backward's gradient lands in k's own slot
+        (:meth:`~leangrpo_mcore.parallel.routing.GradientRouter.route`); ``grad_sync`` holds the reductions off or
+        not (its mode), ``phases`` maps megatron's compute timers to the step's phases (its transfers and waits are
+        the :data:`BUBBLE`), and ``forward_context(True)`` is entered around each forward."""
         from leangrpo_mcore.parallel.pipeline import run_micro_batches
 
         outputs: dict[int, torch.Tensor] = {}
@@ -285,15 +286,14 @@ class StagedVelocity:
             k, index = next(data_iterator)
             with torch.enable_grad(), forward_context(True):
                 if not self.link.last:
-                    return self.boundary(*requests[index]), None
-                velocity = self(*requests[index])
+                    return route(k, self.boundary(*requests[index])), None
+                velocity = route(k, self(*requests[index]))
             outputs[index] = velocity.detach()
             return velocity, lambda output: loss_triple(loss_of(k, output))
 
         with self.scheduled():
             run_micro_batches(forward_step, list(enumerate(units)), grad_sync, phase=self.link.track,
-                              phases=phases, dtype=self.link.dtype, pipeline=self.policy,
-                              around_backward=around_backward)
+                              phases=phases, dtype=self.link.dtype, pipeline=self.policy)
         return [self.link.broadcast_velocity(outputs.get(i), latents) for i, (latents, _, _) in enumerate(requests)]
 
     def reference(self) -> contextlib.AbstractContextManager:
@@ -334,11 +334,11 @@ class SplitStages(SplitVelocity):
         return [self.split.shard(v) for v in self.inner.velocities(self._whole(requests))]
 
     def trained(self, requests: list, units: list[int], loss_of: Callable[[int, torch.Tensor], torch.Tensor],
-                around_backward: Callable[[int], ContextManager], grad_sync, *, phases: dict[str, str],
+                route: Callable[[int, torch.Tensor], torch.Tensor], grad_sync, *, phases: dict[str, str],
                 forward_context: Callable[[bool], ContextManager]) -> list[torch.Tensor]:
         """:meth:`StagedVelocity.trained` of the pieces: ``loss_of`` sees this rank's piece of each velocity."""
         out = self.inner.trained(self._whole(requests), units, lambda k, v: loss_of(k, self.split.shard(v)),
-                                 around_backward, grad_sync, phases=phases, forward_context=forward_context)
+                                 route, grad_sync, phases=phases, forward_context=forward_context)
         return [self.split.shard(v) for v in out]
 
 

@@ -26,12 +26,16 @@ Options and exactness (never approximate silently):
   backward that must keep its graph for a second one (the KL part) is a plain autograd call.
 - pipeline stages (``parallel.pp`` > 1): the trained samples of a denoising step of the group's micro-batches go to
   :meth:`ReweightSchedule.train_rows` together, one megatron 1F1B call whose micro-batches are the samples'
-  forwards (of one sample each) with their immediate backwards; the scheduler's backward bracket installs each
-  sample's provisional gradient in the local slot before its backward and moves it out after, on every stage
-  (each holds its blocks' part). The KL part cannot be a second backward of a 1F1B micro-batch, so with β > 0 a
-  sample is two micro-batches, each with its forward: the KL part into the group's accumulator, then the
-  policy-gradient part (one extra forward per trained sample and step). Rewards, advantages, correction and
-  reduction are those above, on every stage.
+  forwards (of one sample each) with their immediate backwards. A
+  :class:`~leangrpo_mcore.parallel.routing.GradientRouter` hooks each forward's output with its sample's key, so
+  that the backward of that forward, whenever the schedule runs it, finds the sample's provisional gradient
+  installed in the local slot and moves it out after, on every stage (each holds its blocks' part). After the
+  call every micro-batch must have been routed exactly once, to the same key on every stage, and every sample
+  must have a provisional gradient when its advantage arrives: otherwise
+  :class:`~leangrpo_mcore.parallel.routing.RoutingError`, never a silent reduction. The KL part cannot be a
+  second backward of a 1F1B micro-batch, so with β > 0 a sample is two micro-batches, each with its forward: the
+  KL part into the group's accumulator, then the policy-gradient part (one extra forward per trained sample and
+  step). Rewards, advantages, correction and reduction are those above, on every stage.
 - global std: A_i = (r_i − mean_g)/(std_global + eps). When the clamp provably cannot fire, each group's
   Σ (r_i − mean_g)·P_i is folded as soon as the group's rewards are gathered and the sum is multiplied by
   α = 1/(std_global + eps) once at the end of the update. Otherwise the per-sample buffers are kept until
@@ -55,6 +59,7 @@ from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.parallel.grad_sync import LocalGrads, grads_add_
 from leangrpo_mcore.parallel.pipeline import loss_triple, run_micro_batches
 from leangrpo_mcore.parallel.precision import torch_dtype
+from leangrpo_mcore.parallel.routing import GradientRouter, RoutingError
 from leangrpo_mcore.schedules.base import (
     GroupUpdate,
     Schedule,
@@ -282,16 +287,21 @@ class ReweightSchedule(Schedule):
             kl = kl_value(sde, objective, record.sde.mean, ref_mean, record.sde.std, record.sigma, record.sigma_next)
             return self._kl_part(kl_group, kl, record.train)
 
-        def around_backward(k: int):
-            i, part = parts[k]
-            if part == "kl":
-                return self._accumulating(self._kl, kl_group)
-            return self._accumulating(self._partial, (group, rows[i].loop, rows[i].row))
-
-        velocities = staged.trained(requests, [i for i, _ in parts], loss_of, around_backward, self.ctx.grad_sync,
+        keys = [("kl", kl_group) if part == "kl" else ("pg", group, rows[i].loop, rows[i].row) for i, part in parts]
+        sync = self.ctx.grad_sync
+        router = GradientRouter(sync, keys, self._open_slot, group=sync.ctx.pp_group)
+        velocities = staged.trained(requests, [i for i, _ in parts], loss_of, router.route, sync,
                                     phases=PHASES, forward_context=self.ctx.precision)
+        router.finish()
         self._track_buffers()
         return velocities
+
+    def _open_slot(self, key: tuple) -> contextlib.AbstractContextManager:
+        """The slot of a routed micro-batch (:meth:`train_rows`): ``("kl", group)`` the group's KL accumulator,
+        ``("pg", group, micro-batch, row)`` the sample's provisional gradient."""
+        if key[0] == "kl":
+            return self._accumulating(self._kl, key[1])
+        return self._accumulating(self._partial, key[1:])
 
     def _kl_group(self, index: int) -> int:
         """Key of the KL accumulator of group ``index``: its own, or the step's one with global std."""
@@ -308,9 +318,7 @@ class ReweightSchedule(Schedule):
 
     def _fold_affine(self, key: UnitKey, rewards: torch.Tensor) -> None:
         for row, reward in enumerate(rewards.double().tolist()):
-            grads = self._partial.pop((*key, row), None)
-            if grads is None:
-                continue
+            grads = self._take((*key, row))
             acc = self._affine.setdefault(key[0], [reward, None, None])
             if reward != acc[0]:
                 acc[1] = grads_add_(acc[1], grads, reward - acc[0])
@@ -329,8 +337,7 @@ class ReweightSchedule(Schedule):
             if s_acc is not None:
                 terms.append((shift - group.group_mean, s_acc))
             return _scaled_sum(terms) if terms else None
-        terms = [(reward - group.group_mean, self._partial.pop(key)) for key, reward in self._group_samples(group)
-                 if key in self._partial]
+        terms = [(reward - group.group_mean, self._take(key)) for key, reward in self._group_samples(group)]
         return _scaled_sum(terms) if terms else None
 
     def on_group_rewards(self, group: GroupUpdate) -> None:
@@ -371,10 +378,18 @@ class ReweightSchedule(Schedule):
             if s_acc is not None:
                 terms.append((group.alpha * shift + group.gamma, s_acc))
         else:
-            terms = [(float(a), self._partial.pop((group.index, mb, row)))
-                     for mb, adv in enumerate(group.advantages) for row, a in enumerate(adv.tolist())
-                     if (group.index, mb, row) in self._partial]
+            terms = [(float(a), self._take((group.index, mb, row)))
+                     for mb, adv in enumerate(group.advantages) for row, a in enumerate(adv.tolist())]
         return _scaled_sum(terms) if terms else None
+
+    def _take(self, sample: tuple[int, int, int]) -> LocalGrads:
+        """The provisional gradient of ``sample`` (group, micro-batch, row), moved out; RoutingError when no
+        backward was routed to it (reducing without it would train that sample with advantage 0)."""
+        grads = self._partial.pop(sample, None)
+        if grads is None:
+            raise RoutingError(f"sample (group, micro-batch, row) {sample} has no provisional gradient: no backward "
+                               f"was routed to it")
+        return grads
 
     def _reduce(self, combined: Optional[LocalGrads], kl_group: Optional[int] = None) -> None:
         """Reduce ``combined`` with the KL accumulator of ``kl_group`` (None: with every one left)."""
@@ -389,7 +404,8 @@ class ReweightSchedule(Schedule):
     def finish_update(self) -> UpdateStats:
         """Apply the global α to the folded sum, reduce what is left, publish the gradients."""
         if self._partial or self._affine:
-            raise RuntimeError("Reweight update finished with provisional gradients that never got an advantage")
+            raise RoutingError(f"Reweight update finished with provisional gradients that never got an advantage: "
+                               f"samples {sorted(self._partial)}, affine groups {sorted(self._affine)}")
         for group in sorted(self._kl_losses):
             self.stats.losses.extend(self._kl_losses.pop(group))
         folded, self._folded = self._folded, None

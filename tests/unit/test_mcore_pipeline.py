@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import megatron.core.pipeline_parallel as mcore_pp
 import torch
 
@@ -85,34 +83,3 @@ def test_scheduler_gradients_and_phases_match_a_plain_loop():
     assert set(timer.totals) == {"recompute", "backward"}
     assert timer.totals["recompute"] > 0 and timer.totals["backward"] > 0
 
-
-def test_each_micro_batch_backward_accumulates_where_around_backward_puts_it():
-    """``around_backward(i)`` brackets exactly micro-batch i's backward: each micro-batch's gradient lands in its own
-    buffer (what Reweight's pipelined rows rely on), and equals that input's own gradient."""
-    torch.manual_seed(1)
-    model = torch.nn.Linear(5, 3)
-    inputs = [torch.randn(2, 5) for _ in range(4)]
-    expected = []
-    for x in inputs:
-        model.zero_grad(set_to_none=True)
-        model(x).pow(3).sum().backward()
-        expected.append([p.grad.clone() for p in model.parameters()])
-    model.zero_grad(set_to_none=True)
-
-    sync = GradSync(model, ParallelContext(layout=Layout().resolve(1)))
-    held, order = {}, []
-
-    @contextlib.contextmanager
-    def around(i):
-        order.append(i)
-        assert all(p.grad is None for p in model.parameters())  # the slot is empty before each backward
-        yield
-        held[i] = sync.take_local()
-
-    def forward_step(data_iterator, stage):
-        return model(next(data_iterator)), lambda out: (out.pow(3).sum(), token_count(), {})
-
-    run_micro_batches(forward_step, inputs, sync, phase=PhaseTimer().phase, phases={}, around_backward=around)
-    assert order == [0, 1, 2, 3]
-    for i, grads in enumerate(expected):
-        assert all(torch.equal(g, e) for g, e in zip(held[i], grads)), i

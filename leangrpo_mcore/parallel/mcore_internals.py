@@ -1,0 +1,218 @@
+"""The megatron-core internals this project leans on, in one place, each with a check that it is still as used.
+
+megatron-core's documented surface (``get_forward_backward_func``, the ``ModelParallelConfig`` fields, the
+``config.no_sync_func`` / ``grad_sync_func`` / ``finalize_model_grads_func`` hooks, ``parallel_state``) is
+used as documented; what follows is what the project assumes beyond it: how the schedules read their config,
+process groups and model, the module-global ``torch`` the CPU bridge replaces, the point-to-point module's
+call shapes, and the parameter attributes of its tensor-parallel layers. Beside them the two torch internals
+of the gradient path: the autograd engine's final callbacks (gradient routing) and FSDP2's per-parameter state
+(the local gradient slot). ``setup.py`` pins ``megatron-core<0.17``; an upgrade that changes any of these fails
+``tests/unit/test_mcore_internals.py``, which runs every :data:`INTERNALS` check, instead of a training run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One internal: what it is, who uses it, and a check that raises AssertionError when it changed."""
+
+    name: str
+    """The megatron-core (or torch) object or convention."""
+    used_by: str
+    """The project module(s) leaning on it."""
+    check: Callable[[], None]
+    """Raises AssertionError, naming the difference, when the installed version no longer matches the use."""
+
+
+def _schedules():
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules
+
+
+def _p2p():
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    return p2p_communication
+
+
+def _source(module) -> str:
+    return inspect.getsource(module)
+
+
+def _has_parameters(fn, names) -> None:
+    missing = set(names) - set(inspect.signature(fn).parameters)
+    assert not missing, f"{fn.__qualname__} lost the parameters {sorted(missing)}"
+
+
+_SCHEDULE_KWARGS = ("forward_step_func", "data_iterator", "model", "num_microbatches", "seq_length",
+                    "micro_batch_size", "forward_only", "pg_collection", "p2p_communicator")
+"""The keyword arguments :func:`~leangrpo_mcore.parallel.pipeline.run_micro_batches` passes a schedule."""
+
+
+def _check_scheduler_calls() -> None:
+    # run_micro_batches calls get_forward_backward_func(pp_size=, vp_size=) and the returned schedule by keyword
+    schedules = _schedules()
+    _has_parameters(schedules.get_forward_backward_func, ("pp_size", "vp_size"))
+    for fn in (schedules.forward_backward_no_pipelining, schedules.forward_backward_pipelining_without_interleaving):
+        _has_parameters(fn, _SCHEDULE_KWARGS)
+
+
+def _check_config_reads() -> None:
+    # ScheduleConfig is a ModelParallelConfig with the few TransformerConfig fields the schedules read; any other
+    # ``config.X`` a schedule reads must be guarded by hasattr there (or ScheduleConfig needs the field too)
+    from leangrpo_mcore.parallel.pipeline import ScheduleConfig
+
+    config = ScheduleConfig()
+    for module in (_schedules(), _p2p()):
+        lines = _source(module).splitlines()
+        for i, line in enumerate(lines):
+            for name in re.findall(r"\bconfig\.(\w+)", line):
+                guarded = any("hasattr(config," in above for above in lines[max(0, i - 3):i + 1])
+                assert hasattr(config, name) or guarded, \
+                    f"{module.__name__} reads config.{name} unguarded, which ScheduleConfig lacks"
+
+
+def _check_faked_fields() -> None:
+    # the fields ScheduleConfig adds are TransformerConfig's, with the meaning megatron gives them there
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    from leangrpo_mcore.parallel.pipeline import ScheduleConfig
+
+    added = set(ScheduleConfig.__dataclass_fields__) - set(ModelParallelConfig.__dataclass_fields__)
+    stale = added - set(TransformerConfig.__dataclass_fields__)
+    assert not stale, f"ScheduleConfig fakes {sorted(stale)}, no longer TransformerConfig fields"
+
+
+def _check_timer_names() -> None:
+    # _PhaseTimers answers config.timers(name, log_level=...).start()/.stop() for the compute and transfer names
+    from leangrpo_mcore.parallel.pipeline import P2P_TIMERS
+
+    names = set()
+    for module in (_schedules(), _p2p()):
+        names |= set(re.findall(r"timers\(\s*['\"]([\w-]+)['\"]", _source(module)))
+    missing = {"forward-compute", "backward-compute", *P2P_TIMERS} - names
+    assert not missing, f"megatron no longer times {sorted(missing)}"
+
+
+def _check_process_groups() -> None:
+    # _process_groups fills only these ProcessGroupCollection attributes, and its cp is a _GroupSize: the
+    # schedules may ask the CP group for its size() and nothing else
+    source = _source(_schedules())
+    read = set(re.findall(r"pg_collection\.(\w+)", source))
+    assert read <= {"tp", "cp", "embd", "pos_embd", "pp", "dp_cp"}, f"schedules read pg_collection.{sorted(read)}"
+    used = set(re.findall(r"pg_collection\.cp\.(\w+)", source)) | set(re.findall(r"\bcp_group\.(\w+)", source))
+    assert used <= {"size"}, f"the schedules call {sorted(used)} on the CP group (_GroupSize answers size())"
+
+
+def _check_cpu_bridge() -> None:
+    # cpu_bridge swaps the module-global ``torch`` of both modules; _CpuTorch answers exactly these CUDA uses
+    schedules, p2p = _schedules(), _p2p()
+    import torch
+
+    assert schedules.torch is torch and p2p.torch is torch, "the pipeline modules no longer import torch globally"
+    cuda = set()
+    for module in (schedules, p2p):
+        cuda |= set(re.findall(r"torch\.cuda\.(\w+)", _source(module)))
+    assert cuda <= {"current_device", "synchronize"}, f"new CUDA calls in the pipeline modules: {sorted(cuda)}"
+    allocations = re.findall(r"torch\.(\w+)\([^()]*device=['\"]cuda['\"]", _source(schedules))
+    assert set(allocations) <= {"zeros"}, f"schedules allocate on 'cuda' with torch.{sorted(set(allocations))}"
+
+
+def _check_p2p() -> None:
+    # StageLink calls P2PCommunicator(pp_group=, config=) and its four transfers with these arguments
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    _has_parameters(P2PCommunicator.__init__, ("pp_group", "config"))
+    for method, flag in (("recv_forward", "is_first_stage"), ("send_forward", "is_last_stage"),
+                         ("recv_backward", "is_last_stage"), ("send_backward", "is_first_stage")):
+        params = list(inspect.signature(getattr(P2PCommunicator, method)).parameters)
+        assert params[2:] == [flag], f"P2PCommunicator.{method}{tuple(params[1:])}"
+
+
+def _check_model_reads() -> None:
+    # _Stage is what the schedules see as a model: config, model_type and set_input_tensor
+    from megatron.core.enums import ModelType
+
+    assert hasattr(ModelType, "encoder_or_decoder")
+    source = _source(_schedules())
+    assert "set_input_tensor" in source and "get_model_config" in source and "get_model_type" in source
+    from megatron.core.utils import get_model_config, get_model_type
+
+    class Probe:
+        config, model_type = object(), ModelType.encoder_or_decoder
+
+    assert get_model_config(Probe()) is Probe.config and get_model_type(Probe()) is Probe.model_type
+
+
+def _check_tp_attributes() -> None:
+    # parameters of the tensor-parallel layers carry these attributes (optimizer, FSDP2 wrapping, checkpoints)
+    from megatron.core.tensor_parallel.layers import _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS
+
+    missing = {"tensor_model_parallel", "partition_dim", "partition_stride"} - set(_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS)
+    assert not missing, f"megatron's parameters no longer carry {sorted(missing)}"
+
+
+def _check_fusions() -> None:
+    # activate() calls the fused bias-GeLU as bias_gelu_impl(input, bias); the FP8 context as get_fp8_context(config)
+    from megatron.core.fp8_utils import get_fp8_context
+    from megatron.core.fusions.fused_bias_gelu import GeLUFunction, bias_gelu_impl
+
+    assert bias_gelu_impl == GeLUFunction.apply
+    assert list(inspect.signature(GeLUFunction.forward).parameters)[1:] == ["input", "bias"]
+    assert list(inspect.signature(get_fp8_context).parameters)[0] == "config"
+
+
+def _check_queue_callback() -> None:
+    # GradientRouter moves a routed slot out in a final callback of the backward pass that ran it
+    import torch
+
+    assert callable(getattr(torch.autograd.Variable._execution_engine, "queue_callback", None))
+
+
+def _check_fsdp_param_state() -> None:
+    # GradSync's local slot is FSDP2's unsharded gradient per parameter, reached through these private names
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group, _fsdp_state
+
+    assert callable(getattr(FSDPModule, "_get_fsdp_state", None))
+    for cls, names in ((_fsdp_state.FSDPState, ("_fsdp_param_groups",)),
+                       (_fsdp_param_group.FSDPParamGroup, ("fsdp_params",)),
+                       (_fsdp_param.FSDPParam, ("unsharded_accumulated_grad", "_unsharded_param", "reduce_dtype",
+                                                "sharded_param", "sharded_size"))):
+        source = inspect.getsource(cls)
+        missing = [n for n in names
+                   if not hasattr(cls, n) and f"self.{n} " not in source and f"self.{n}:" not in source]
+        assert not missing, f"{cls.__name__} lost {missing}"
+    assert callable(getattr(_fsdp_param.FSDPParam, "to_sharded_dtensor", None))
+
+
+INTERNALS: tuple[Internal, ...] = (
+    Internal("schedules.get_forward_backward_func and its schedules' keyword arguments", "parallel/pipeline.py",
+             _check_scheduler_calls),
+    Internal("config.X read by the schedules and p2p_communication (ScheduleConfig's faked TransformerConfig "
+             "fields)", "parallel/pipeline.py", _check_config_reads),
+    Internal("ScheduleConfig's extra fields are TransformerConfig's", "parallel/pipeline.py", _check_faked_fields),
+    Internal("config.timers names (forward-compute, backward-compute, the p2p transfers)", "parallel/pipeline.py",
+             _check_timer_names),
+    Internal("ProcessGroupCollection attributes read, and _GroupSize as the CP group", "parallel/pipeline.py",
+             _check_process_groups),
+    Internal("module-global torch of schedules and p2p_communication (cpu_bridge)", "parallel/pipeline.py",
+             _check_cpu_bridge),
+    Internal("P2PCommunicator's constructor and transfers", "parallel/stages.py, parallel/pipeline.py", _check_p2p),
+    Internal("what the schedules read from a model (_Stage)", "parallel/pipeline.py", _check_model_reads),
+    Internal("tensor-parallel parameter attributes", "models/common/tp.py, parallel/fsdp.py, engine/optim.py, "
+             "engine/checkpoint.py", _check_tp_attributes),
+    Internal("fused_bias_gelu.bias_gelu_impl and fp8_utils.get_fp8_context",
+             "models/backends.py, models/common/fp8.py", _check_fusions),
+    Internal("torch: the autograd engine's queue_callback", "parallel/routing.py", _check_queue_callback),
+    Internal("torch: FSDP2's per-parameter gradient state", "parallel/grad_sync.py", _check_fsdp_param_state),
+)
+"""Every internal the project leans on (module doc)."""
