@@ -6,11 +6,11 @@ fine-tuning; LoRA on the default targets, base frozen) this builds small policie
 parallelism 1 and 2 (TP=2 on a fake process group in this one process: collectives move nothing, the shapes every
 rank holds are exact), runs one grad-enabled forward of one sample under ``torch.autograd.graph.saved_tensors_hooks``
 and counts the bytes of the unique storages autograd saves on this rank (parameters excluded). A least-squares fit
-on the features of :func:`leangrpo_mcore.parallel.activations.activation_features` gives the bytes per unit of each
+on the features of :func:`leangrpo_mcore.planner.activations.activation_features` gives the bytes per unit of each
 feature.
 
     python tools/calibrate_activations.py            # print the fit and its residuals
-    python tools/calibrate_activations.py --write    # also regenerate leangrpo_mcore/parallel/activation_fit.py
+    python tools/calibrate_activations.py --write    # also regenerate leangrpo_mcore/planner/activation_fit.py
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 
 from leangrpo_mcore.models import build_policy
 from leangrpo_mcore.models.common.lora import LoRAConfig, apply_lora, mark_only_lora_trainable
-from leangrpo_mcore.parallel.activations import activation_features, fit_key
-from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config
-from leangrpo_mcore.parallel.simulate import fake_world
+from leangrpo_mcore.planner.activations import activation_features, fit_key
+from leangrpo_mcore.planner.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config
+from leangrpo_mcore.planner.simulate import fake_world
 
 FIT_MODULE = os.path.join(os.path.dirname(__file__), "..", "leangrpo_mcore", "parallel", "activation_fit.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -160,12 +160,12 @@ def fit(rows: list[dict], measured: list[int]) -> dict:
 
 
 def render_module(fits: dict) -> str:
-    """Source of ``leangrpo_mcore/parallel/activation_fit.py`` holding ``fits``."""
+    """Source of ``leangrpo_mcore/planner/activation_fit.py`` holding ``fits``."""
     header = (
         '"""Fitted activation-memory constants of the layout planner (generated: do not edit by hand).\n\n'
         "Regenerate with ``python tools/calibrate_activations.py --write``. Each entry maps\n"
         "``<family>/<compute dtype>/<plain|ckpt>`` to bytes per unit of each feature of\n"
-        ":func:`leangrpo_mcore.parallel.activations.activation_features`, least-squares fitted to the saved-tensor\n"
+        ":func:`leangrpo_mcore.planner.activations.activation_features`, least-squares fitted to the saved-tensor\n"
         "bytes (unique storages, parameters excluded) of grad-enabled forwards of the policies (local backend,\n"
         f"CPU, torch {torch.__version__.split('+')[0]}) over a grid of small configs; ``max_rel_err`` / "
         "``mean_rel_err`` are\nthe fit's relative residuals on that grid.\n"
@@ -177,7 +177,7 @@ def render_module(fits: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure, fit, print; with ``--write`` regenerate the constants module."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="regenerate leangrpo_mcore/parallel/activation_fit.py")
+    parser.add_argument("--write", action="store_true", help="regenerate leangrpo_mcore/planner/activation_fit.py")
     parser.add_argument("--family", choices=("flux", "wan"), action="append", help="only these families")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             fits[key] = fit(rows, measured)
             print(f"{key}: {fits[key]}", flush=True)
     if args.write:
-        from leangrpo_mcore.parallel.activation_fit import FIT
+        from leangrpo_mcore.planner.activation_fit import FIT
 
         fits = {**FIT, **fits}
         with open(FIT_MODULE, "w", encoding="utf-8") as fh:

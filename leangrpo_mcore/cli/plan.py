@@ -17,9 +17,9 @@ from typing import Optional, Sequence
 
 from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, load_arch
-from leangrpo_mcore.parallel.workload import PRECISIONS, GiB, Hardware, Workload
-from leangrpo_mcore.parallel.layout import DEFAULT_TEXT_TOKENS, Plan, describe_layout, plan, workload_from_config
+from leangrpo_mcore.planner.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, load_arch
+from leangrpo_mcore.planner.workload import PRECISIONS, GiB, Hardware, Workload
+from leangrpo_mcore.planner.layout import DEFAULT_TEXT_TOKENS, Plan, describe_layout, plan, workload_from_config
 
 # Flags that a YAML config sets itself: with --config they come from it (use dotted overrides instead).
 WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_size", "prompts_per_step",
@@ -146,7 +146,7 @@ def check_numbers(args: argparse.Namespace) -> None:
 def plan_config(args: argparse.Namespace, work: Workload) -> "Config":
     """The experiment config the plan is for: the YAML config as written, or the one the flags describe."""
     from leangrpo_mcore.config import load_config
-    from leangrpo_mcore.parallel.simulate_plan import flags_config
+    from leangrpo_mcore.planner.simulate_plan import flags_config
 
     path = args.config or (args.model if args.model and args.model.endswith((".yaml", ".yml")) else None)
     if path:
@@ -157,7 +157,7 @@ def plan_config(args: argparse.Namespace, work: Workload) -> "Config":
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
-    """Hardware and workload from ``args``, then :func:`leangrpo_mcore.parallel.layout.plan`."""
+    """Hardware and workload from ``args``, then :func:`leangrpo_mcore.planner.layout.plan`."""
     check_numbers(args)
     hw = Hardware(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_bytes=int(args.gpu_mem_gb * GiB),
                   gpu_tflops=args.gpu_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
@@ -245,7 +245,7 @@ def _main(argv: Sequence[str] | None) -> int:
     result = make_plan(args)
     sims: dict[int, dict] = {}
     if args.simulate:
-        from leangrpo_mcore.parallel.simulate_plan import simulate_plan
+        from leangrpo_mcore.planner.simulate_plan import simulate_plan
 
         sims = simulate_plan(result, plan_config(args, result.workload), args.simulate,
                              progress=lambda line: print(line, file=sys.stderr, flush=True))

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from leangrpo_mcore.data.conditioning import T5_MAX_LENGTH, TextDims, TextEncoder
+from leangrpo_mcore.data.text_encoder import T5_MAX_LENGTH, TextDims, TextEncoder
 from leangrpo_mcore.errors import UserError, require_extra
 
 CLIP_MAX_LENGTH = 77

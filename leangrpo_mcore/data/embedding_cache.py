@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from leangrpo_mcore.data.conditioning import TextDims, TextEncoder
+from leangrpo_mcore.data.text_encoder import TextDims, TextEncoder
 from leangrpo_mcore.errors import UserError
 
 CACHE_FORMAT = "leangrpo_mcore.text_embeddings"

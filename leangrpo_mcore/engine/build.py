@@ -103,7 +103,9 @@ def resolve_plan(config: Config, world_size: int, logger: logging.Logger) -> Con
     if config.parallel.cp > 1:
         raise UserError("schedule.name=auto with parallel.cp > 1 is not supported yet: plan the layout with "
                         "leangrpo-plan (it models context parallelism) and name its schedule")
-    from leangrpo_mcore.parallel.layout import plan_for_config
+    # The runtime's one way into the planner (its package entry), imported here so that a run with a named
+    # schedule never loads it.
+    from leangrpo_mcore.planner import plan_for_config
 
     memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
     plan = plan_for_config(config, world_size, gpu_mem_gb=memory_gb)

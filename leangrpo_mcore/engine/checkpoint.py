@@ -23,7 +23,7 @@ degree. The whole write goes into ``step_<N>.tmp-<id>`` and is renamed into plac
 crash mid-save leaves only a ``.tmp-`` directory that resume never picks and the next launch removes.
 
 FSDP2 drops the megatron TP attributes of parameters when it wraps them, so the trainer records them first with
-:func:`capture_tp_layout` and passes that map to save and load.
+:func:`~leangrpo_mcore.models.common.tp.capture_tp_layout` (also here) and passes that map to save and load.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from leangrpo_mcore.models.common.checkpoint import DCP_DIR, CheckpointError, wr
 from leangrpo_mcore.models.common.dcp_blocks import (Block, BlockLoadPlanner, BlockSavePlanner, BlockTensor,
                                                      block_tensor, quiet_dcp)
 from leangrpo_mcore.models.common.dcp_source import read_dcp_metadata
-from leangrpo_mcore.models.common.tp import tp_rank, tp_world_size
+from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout, tp_rank, tp_world_size  # noqa: F401
 from leangrpo_mcore.models.registry import family_for_config
 
 MARKER = manifest.MARKER
@@ -63,22 +63,6 @@ VERSION = 3
 """3: the policy's fused q/k/v and FLUX's single-block ``proj_out`` in their per-head layouts. Modules' extra
 state (``extra/`` keys) came later without a bump: its entries sit beside the others, so a version-3 checkpoint
 without them still loads (with a warning for modules that keep extra state) and older readers skip them."""
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
-
-TPLayout = dict[str, torch.Tensor]
-
-
-def capture_tp_layout(model: torch.nn.Module) -> TPLayout:
-    """``{parameter name: meta tensor carrying its TP attributes}``; call before FSDP wraps the model."""
-    layout: TPLayout = {}
-    for name, tensor in model.named_parameters():
-        stub = torch.empty(0, device="meta")
-        for attr in _TP_ATTRS:
-            if hasattr(tensor, attr):
-                setattr(stub, attr, getattr(tensor, attr))
-        layout[name] = stub
-    return layout
-
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0

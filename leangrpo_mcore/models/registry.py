@@ -20,7 +20,7 @@ from leangrpo_mcore.models.common.assembly import _check as check_shapes, stored
 from leangrpo_mcore.models.common.materialize import (BoxReader, assembled_boxes, fill, init_rules, random_boxes,
                                                       source_boxes)
 from leangrpo_mcore.models.common.pipeline import PipelineStage
-from leangrpo_mcore.models.common.tp import full_shape
+from leangrpo_mcore.models.common.tp import capture_tp_layout, full_shape
 from leangrpo_mcore.models.common.lora import LoRAConfig, apply_lora, lora_is_merged
 
 FAMILY_MODULES = {"flux": "leangrpo_mcore.models.flux", "wan": "leangrpo_mcore.models.wan"}
@@ -198,8 +198,6 @@ def materialize(model: torch.nn.Module, device: Union[str, torch.device], *, see
     Parameters in ``files`` are read from it box by box; the others (all without files, or adapters added on
     top of a checkpoint) get their seeded init, identical at every layout.
     """
-    from leangrpo_mcore.engine.checkpoint import capture_tp_layout
-
     rules, shapes = init_rules(model), full_shapes(model)
     layout = layout if layout is not None else capture_tp_layout(model)
     if wrap is not None:

@@ -39,7 +39,7 @@ def _measure(rank, world_size):
     from leangrpo_mcore.engine.launch import init_distributed
     from leangrpo_mcore.engine.step import StepInputs
     from leangrpo_mcore.parallel.mesh import destroy_parallel_context
-    from leangrpo_mcore.parallel.simulate import _conditioning, _fixed_rewards
+    from leangrpo_mcore.planner.simulate import _conditioning, _fixed_rewards
 
     dist_ctx = init_distributed()
     peaks = {}
@@ -58,7 +58,7 @@ def _measure(rank, world_size):
 
 
 def test_simulated_step_peak_within_10_percent_of_measured_on_two_ranks():
-    from leangrpo_mcore.parallel.simulate import simulate
+    from leangrpo_mcore.planner.simulate import simulate
 
     measured = run_ranks(_measure, 2, timeout=400)
     for label in CASES:

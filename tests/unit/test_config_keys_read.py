@@ -13,7 +13,7 @@ from leangrpo_mcore.data.embedding_cache import write_embedding_cache
 from leangrpo_mcore.data.prompts import PromptDataset
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.layout import workload_from_config
+from leangrpo_mcore.planner.layout import workload_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "leangrpo_mcore"

@@ -1,9 +1,9 @@
 """When FSDP2 keeps a step's parameters gathered, and what the planner charges for it."""
 
-from leangrpo_mcore.parallel.arch_specs import load_arch, params_per_rank
-from leangrpo_mcore.parallel.cost_model import memory_phases, step_time
+from leangrpo_mcore.planner.arch_specs import load_arch, params_per_rank
+from leangrpo_mcore.planner.cost_model import memory_phases, step_time
 from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
-from leangrpo_mcore.parallel.workload import GiB, Hardware, Layout, Workload
+from leangrpo_mcore.planner.workload import GiB, Hardware, Layout, Workload
 
 HW = Hardware(nodes=1, gpus_per_node=8, gpu_mem_bytes=80 * GiB, gpu_tflops=989, intra_node_gbps=150,
               inter_node_gbps=25, hbm_gbps=3350)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel import activations as act
-from leangrpo_mcore.parallel.arch_specs import (
+from leangrpo_mcore.planner import activations as act
+from leangrpo_mcore.planner.arch_specs import (
     BUILTIN_PRESETS,
     DEFAULT_LORA_TARGETS,
     arch_from_config,

@@ -2,9 +2,9 @@
 
 import pytest
 
-from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS, load_arch
-from leangrpo_mcore.parallel.workload import GiB, Hardware, Workload
-from leangrpo_mcore.parallel.layout import plan
+from leangrpo_mcore.planner.arch_specs import DEFAULT_LORA_TARGETS, load_arch
+from leangrpo_mcore.planner.workload import GiB, Hardware, Workload
+from leangrpo_mcore.planner.layout import plan
 
 # The paper's machine: 8x RTX A6000 48 GB on PCIe (no NVLink); an 8x H100 80 GB node for the other rows.
 A6000 = Hardware(nodes=1, gpus_per_node=8, gpu_mem_bytes=48 * GiB, gpu_tflops=155, intra_node_gbps=10,

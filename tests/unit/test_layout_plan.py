@@ -4,9 +4,9 @@ import pytest
 
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.arch_specs import load_arch
-from leangrpo_mcore.parallel.workload import SCHEDULES, GiB, Hardware, Layout, Workload, sample_shape
-from leangrpo_mcore.parallel.layout import (
+from leangrpo_mcore.planner.arch_specs import load_arch
+from leangrpo_mcore.planner.workload import SCHEDULES, GiB, Hardware, Layout, Workload, sample_shape
+from leangrpo_mcore.planner.layout import (
     PlanError,
     enumerate_layouts,
     plan,
@@ -135,7 +135,7 @@ def test_predicted_peaks_of_a_config():
 
 def test_config_text_tokens_follow_the_encoder():
     from leangrpo_mcore.engine.build import HASHED_TEXT_LENGTH
-    from leangrpo_mcore.parallel.layout import HASHED_TEXT_TOKENS, workload_from_config
+    from leangrpo_mcore.planner.layout import HASHED_TEXT_TOKENS, workload_from_config
 
     assert HASHED_TEXT_TOKENS == HASHED_TEXT_LENGTH
     assert workload_from_config(load_config(TINY_FLUX)).tokens["text"] == HASHED_TEXT_LENGTH
@@ -156,7 +156,7 @@ def test_planner_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, leangrpo_mcore.parallel.layout, leangrpo_mcore.cli.plan; "
+    code = ("import sys, leangrpo_mcore.planner.layout, leangrpo_mcore.cli.plan; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
@@ -187,7 +187,7 @@ def _wan_720p(**kw):
 
 
 def test_cp_divides_per_token_memory_and_fsdp_state_but_not_provisional_gradients():
-    from leangrpo_mcore.parallel.cost_model import estimate
+    from leangrpo_mcore.planner.cost_model import estimate
 
     work = _wan_720p()
     # The same data-parallel size (2, so the same 4 generations per rank) with and without CP (4 and 8 ranks).
@@ -212,7 +212,7 @@ def test_cp_divides_per_token_memory_and_fsdp_state_but_not_provisional_gradient
 
 
 def test_cp_time_halves_compute_and_adds_the_ulysses_all_to_alls():
-    from leangrpo_mcore.parallel.cost_model import step_time
+    from leangrpo_mcore.planner.cost_model import step_time
 
     work = _wan_720p()
     one, two = Layout(2, 2, 1, cp=1), Layout(2, 2, 1, cp=2)

@@ -9,18 +9,18 @@ import pytest
 from leangrpo_mcore.cli.plan import main as plan_main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel import pipeline_time as pt
-from leangrpo_mcore.parallel.arch_specs import (
+from leangrpo_mcore.planner import pipeline_time as pt
+from leangrpo_mcore.planner.arch_specs import (
     arch_from_config,
     load_arch,
     param_counts,
     stage_block_counts,
     stage_spec,
 )
-from leangrpo_mcore.parallel.cost_model import estimate, memory_phases
-from leangrpo_mcore.parallel.layout import enumerate_layouts, plan, plan_for_config
-from leangrpo_mcore.parallel.placement import place
-from leangrpo_mcore.parallel.workload import GiB, Hardware, Layout, Workload, sample_shape
+from leangrpo_mcore.planner.cost_model import estimate, memory_phases
+from leangrpo_mcore.planner.layout import enumerate_layouts, plan, plan_for_config
+from leangrpo_mcore.planner.placement import place
+from leangrpo_mcore.planner.workload import GiB, Hardware, Layout, Workload, sample_shape
 
 # The Done-when cluster: 4 nodes of 8 x 40 GiB GPUs joined by 5 GB/s links, FLUX.1-dev full fine-tuning with
 # groups of 32 generations.

@@ -4,9 +4,9 @@ in their own dtype."""
 
 import dataclasses
 
-from leangrpo_mcore.parallel.arch_specs import load_arch
-from leangrpo_mcore.parallel.cost_model import memory_phases, step_time
-from leangrpo_mcore.parallel.workload import PRECISIONS, GiB, Hardware, Layout, Workload
+from leangrpo_mcore.planner.arch_specs import load_arch
+from leangrpo_mcore.planner.cost_model import memory_phases, step_time
+from leangrpo_mcore.planner.workload import PRECISIONS, GiB, Hardware, Layout, Workload
 
 H100 = Hardware(nodes=1, gpus_per_node=8, gpu_mem_bytes=80 * GiB, gpu_tflops=989, intra_node_gbps=150,
                 hbm_gbps=3350)
@@ -60,7 +60,7 @@ def test_provisional_gradients_are_charged_in_their_dtype():
 
 def test_the_reweight_plan_and_its_fallback_are_explained():
     from leangrpo_mcore.config import load_config
-    from leangrpo_mcore.parallel.layout import plan, workload_from_config
+    from leangrpo_mcore.planner.layout import plan, workload_from_config
 
     hw = Hardware(nodes=1, gpus_per_node=1)
     fallback = workload_from_config(load_config("yaml_configs/tiny/flux.yaml", [
@@ -86,7 +86,7 @@ def test_activations_are_charged_per_tensor_parallel_rank():
 
 
 def test_lora_on_the_default_targets_saves_no_input_of_a_frozen_linear():
-    from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS
+    from leangrpo_mcore.planner.arch_specs import DEFAULT_LORA_TARGETS
 
     def saved(**kw):
         return memory_phases(_work(**kw), H100, LAYOUT, "native", False)["native_update"]["activations"]

@@ -8,7 +8,7 @@ import torch
 from leangrpo_mcore.cli.train import main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.models import build_policy
-from leangrpo_mcore.parallel.layout import precision_from_config
+from leangrpo_mcore.planner.layout import precision_from_config
 from leangrpo_mcore.parallel.precision import run_precision
 from tests.ckpt_helpers import model_tensors, stored_tensors
 from tests.unit.test_train_cli import TINY_FLUX

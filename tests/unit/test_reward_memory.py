@@ -7,9 +7,9 @@ import pytest
 
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.layout import plan, predict_memory, workload_from_config
-from leangrpo_mcore.parallel.reward_specs import AESTHETIC, VIT_H_14, VIT_L_14, reward_memory
-from leangrpo_mcore.parallel.workload import Hardware
+from leangrpo_mcore.planner.layout import plan, predict_memory, workload_from_config
+from leangrpo_mcore.planner.reward_specs import AESTHETIC, VIT_H_14, VIT_L_14, reward_memory
+from leangrpo_mcore.planner.workload import Hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 FLOWGRPO_LORA = str(ROOT / "yaml_configs" / "flux_dev" / "flowgrpo_lora.yaml")
@@ -106,9 +106,9 @@ def test_only_the_last_pipeline_stage_holds_the_reward_model():
 
 
 def test_simulation_adds_the_resident_reward_model_as_predicted(monkeypatch):
-    from leangrpo_mcore.parallel import simulate as sim_module
-    from leangrpo_mcore.parallel.simulate import Simulation
-    from leangrpo_mcore.parallel.simulate_plan import simulate_candidate
+    from leangrpo_mcore.planner import simulate as sim_module
+    from leangrpo_mcore.planner.simulate import Simulation
+    from leangrpo_mcore.planner.simulate_plan import simulate_candidate
 
     config = load_config(FLOWGRPO_LORA)
     result = plan(workload_from_config(config), Hardware(nodes=1, gpus_per_node=8, gpu_mem_bytes=80 * 1024 ** 3),

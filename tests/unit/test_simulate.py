@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.config import load_config
-from leangrpo_mcore.parallel.sim_mode import FAKE_FLOAT, SimulationMode, is_fake
-from leangrpo_mcore.parallel.simulate import FIRST_BACKWARD, selected_steps, simulate, simulate_step, with_steps
+from leangrpo_mcore.planner.sim_mode import FAKE_FLOAT, SimulationMode, is_fake
+from leangrpo_mcore.planner.simulate import FIRST_BACKWARD, selected_steps, simulate, simulate_step, with_steps
 
 BIG = (1 << 20) + 1  # one element more than stays real
 

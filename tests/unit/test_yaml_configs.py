@@ -10,8 +10,8 @@ from leangrpo_mcore.cli.train import main as train_main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.layout import workload_from_config
-from leangrpo_mcore.parallel.simulate import block_counts
+from leangrpo_mcore.planner.layout import workload_from_config
+from leangrpo_mcore.planner.simulate import block_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "yaml_configs").rglob("*.yaml"))

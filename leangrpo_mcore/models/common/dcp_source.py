@@ -1,7 +1,7 @@
 """Read tensors of a ``torch.distributed.checkpoint`` directory one at a time, in one process, without a launch.
 
 A training checkpoint stores the policy under the keys ``model/<parameter name>``; :class:`DCPSource` exposes
-them as a :class:`~leangrpo_mcore.models.common.checkpoint.TensorSource`, so that ``leangrpo-convert`` and
+them as a :class:`~leangrpo_mcore.models.common.tensor_source.TensorSource`, so that ``leangrpo-convert`` and
 ``model.path`` read a training checkpoint like any other policy directory. Each read fetches only the bytes of
 the requested tensor (or of its TP slice), never the optimizer state stored beside it.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from leangrpo_mcore.models.common.checkpoint import CheckpointError, TensorSource, _one_line
+from leangrpo_mcore.models.common.tensor_source import CheckpointError, TensorSource, _one_line
 from leangrpo_mcore.models.common.dcp_blocks import Block, BlockLoadPlanner, BlockTensor, quiet_dcp
 from leangrpo_mcore.models.common.tp import is_tp_partitioned, shard_range
 

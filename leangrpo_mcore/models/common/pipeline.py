@@ -19,7 +19,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from leangrpo_mcore.parallel.arch_specs import stage_block_counts
+from leangrpo_mcore.block_split import stage_block_counts
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def split_blocks(total: int, pp: int, sizes: Optional[Sequence[int]] = None) -> 
     if pp < 1:
         raise ValueError(f"pipeline-parallel size must be at least 1, got {pp}")
     if sizes is None:
-        sizes = stage_block_counts(total, pp)  # the planner's split too
+        sizes = stage_block_counts(total, pp)  # the planner's split too (block_split has no torch for it)
     sizes = [int(n) for n in sizes]
     if len(sizes) != pp or sum(sizes) != total or min(sizes) < 1:
         raise ValueError(f"pipeline stage sizes {sizes} must be {pp} positive block counts summing to {total}")

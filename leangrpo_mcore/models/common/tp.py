@@ -70,6 +70,25 @@ def is_tp_partitioned(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+TPLayout = dict[str, torch.Tensor]
+"""``{parameter name: meta tensor carrying its TP attributes}`` (:func:`capture_tp_layout`)."""
+
+
+def capture_tp_layout(model: torch.nn.Module) -> TPLayout:
+    """``{parameter name: meta tensor carrying its TP attributes}``; call before FSDP wraps the model (FSDP2
+    drops megatron's attributes, which checkpoints and the loaders still need)."""
+    layout: TPLayout = {}
+    for name, tensor in model.named_parameters():
+        stub = torch.empty(0, device="meta")
+        for attr in _TP_ATTRS:
+            if hasattr(tensor, attr):
+                setattr(stub, attr, getattr(tensor, attr))
+        layout[name] = stub
+    return layout
+
+
 def full_shape(param: torch.Tensor, world_size: Optional[int] = None) -> torch.Size:
     """The unsharded shape of a (possibly TP-partitioned) local parameter."""
     if not is_tp_partitioned(param):

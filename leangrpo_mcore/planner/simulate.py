@@ -2,7 +2,7 @@
 
 :func:`simulate_step` builds the configured policy exactly as training does (meta build, TP, FSDP2 wrapping,
 activation checkpointing, the optimizer), on a *fake* process group of the planned world size (this process is
-one rank; collectives cost nothing and move rank-local data), under :class:`~leangrpo_mcore.parallel.sim_mode.
+one rank; collectives cost nothing and move rank-local data), under :class:`~leangrpo_mcore.planner.sim_mode.
 SimulationMode`: large tensors are fake, small ones real. Then it runs the project's own step engine — rollout,
 the schedule's update, gradient sync, clipping, the optimizer step — once, after one optimizer step on zero
 gradients has created the optimizer state (so the measured step is a steady-state one), and reports the highest live memory of the rank, by category.
@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.diffusion.trajectory import Conditioning
-from leangrpo_mcore.parallel.sim_mode import SimulationMode, is_fake
+from leangrpo_mcore.planner.sim_mode import SimulationMode, is_fake
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "provisional_gradients", "retained_graphs",
               "activations", "temporary")

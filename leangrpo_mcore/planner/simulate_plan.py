@@ -2,7 +2,7 @@
 
 A candidate (schedule, TP / FSDP degrees, activation checkpointing) of an experiment becomes a :class:`Config`
 (the YAML config as written, or the config the command-line flags describe) and is simulated by
-:func:`leangrpo_mcore.parallel.simulate.simulate`. What the planner counts and a simulation cannot hold — the
+:func:`leangrpo_mcore.planner.simulate.simulate`. What the planner counts and a simulation cannot hold — the
 per-GPU overhead outside tensors and the resident reward model (a planner input, or derived from the reward's
 architecture) — is added to the simulated peak as ``reserved``, so that ``simulated_peak_bytes`` compares
 directly with ``peak_mem_bytes``.
@@ -16,10 +16,10 @@ from typing import Optional
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.config.loader import build_config
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.arch_specs import BUILTIN_PRESETS
-from leangrpo_mcore.parallel.cost_model import Estimate
-from leangrpo_mcore.parallel.layout import Plan
-from leangrpo_mcore.parallel.workload import SCHEDULES, Workload
+from leangrpo_mcore.planner.arch_specs import BUILTIN_PRESETS
+from leangrpo_mcore.planner.cost_model import Estimate
+from leangrpo_mcore.planner.layout import Plan
+from leangrpo_mcore.planner.workload import SCHEDULES, Workload
 
 SIMULATE_CHOICES = ("chosen", "all")
 BASE_PRESET = {"flux": "flux-dev", "wan": "wan2.1-1.3b"}
@@ -91,7 +91,7 @@ def simulate_candidate(config: Config, est: Estimate, plan: Plan) -> dict:
     """The simulation of one candidate, as the JSON fields added next to its prediction."""
     import warnings
 
-    from leangrpo_mcore.parallel.simulate import simulate
+    from leangrpo_mcore.planner.simulate import simulate
 
     with warnings.catch_warnings():
         # what the simulated step warns about is the training run's business (FSDP2's note on a view output,

@@ -15,15 +15,15 @@ default targets (frozen linears save no input)::
     python tools/calibrate_activations.py --write
 
 which measures with ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters excluded) and
-regenerates :mod:`leangrpo_mcore.parallel.activation_fit` with the fitted constants and their residuals.
+regenerates :mod:`leangrpo_mcore.planner.activation_fit` with the fitted constants and their residuals.
 This module only evaluates the fit (pure Python).
 """
 
 from __future__ import annotations
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.activation_fit import FIT
-from leangrpo_mcore.parallel.arch_specs import ArchSpec
+from leangrpo_mcore.planner.activation_fit import FIT
+from leangrpo_mcore.planner.arch_specs import ArchSpec
 
 DTYPE_NAMES = {4: "fp32", 2: "bf16"}
 

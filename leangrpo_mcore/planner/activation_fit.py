@@ -2,7 +2,7 @@
 
 Regenerate with ``python tools/calibrate_activations.py --write``. Each entry maps
 ``<family>/<compute dtype>/<plain|ckpt>`` to bytes per unit of each feature of
-:func:`leangrpo_mcore.parallel.activations.activation_features`, least-squares fitted to the saved-tensor
+:func:`leangrpo_mcore.planner.activations.activation_features`, least-squares fitted to the saved-tensor
 bytes (unique storages, parameters excluded) of grad-enabled forwards of the policies (local backend,
 CPU, torch 2.13.0) over a grid of small configs; ``max_rel_err`` / ``mean_rel_err`` are
 the fit's relative residuals on that grid.

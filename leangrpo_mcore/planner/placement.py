@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from leangrpo_mcore.parallel.workload import Hardware, Layout, Shape
+from leangrpo_mcore.planner.workload import Hardware, Layout, Shape
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class RankPlacement:
     prompt_slots: tuple[int, ...]
     """Prompt groups of the step (0 .. prompts_per_step - 1) this rank works on."""
     pp_rank: int = 0
-    """Pipeline stage (the blocks it holds: ``parallel.arch_specs.stage_block_counts``)."""
+    """Pipeline stage (the blocks it holds: ``block_split.stage_block_counts``)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The :class:`~leangrpo_mcore.parallel.workload.Workload` of an experiment config, as written (pure Python).
+"""The :class:`~leangrpo_mcore.planner.workload.Workload` of an experiment config, as written (pure Python).
 
-What :func:`leangrpo_mcore.parallel.layout.plan_for_config` and ``leangrpo-plan --config`` plan: the
+What :func:`leangrpo_mcore.planner.layout.plan_for_config` and ``leangrpo-plan --config`` plan: the
 architecture, tokens, selected steps, dtypes and schedule options the config implies.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config, load_arch, preset_config
-from leangrpo_mcore.parallel.reward_specs import reward_memory
-from leangrpo_mcore.parallel.workload import GiB, Precision, Workload
+from leangrpo_mcore.planner.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config, load_arch, preset_config
+from leangrpo_mcore.planner.reward_specs import reward_memory
+from leangrpo_mcore.planner.workload import GiB, Precision, Workload
 
 DEFAULT_TEXT_TOKENS = 512  # T5 / UMT5 maximum length of the released FLUX and Wan pipelines
 HASHED_TEXT_TOKENS = 16  # the hashed CPU text embedder's length (``engine.build.HASHED_TEXT_LENGTH``)
@@ -62,7 +62,7 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
 
     ``text_tokens`` defaults to the text encoder's length: ``model.text_max_length`` (T5 / UMT5: 512), 16 for the
     hashed CPU embedder. A learned reward's model and scoring activations come from ``reward``
-    (:mod:`leangrpo_mcore.parallel.reward_specs`); ``reward_mem_gb`` reserves more on every rank (e.g. a plugin's
+    (:mod:`leangrpo_mcore.planner.reward_specs`); ``reward_mem_gb`` reserves more on every rank (e.g. a plugin's
     model).
     """
     m, s = config.model, config.sampler

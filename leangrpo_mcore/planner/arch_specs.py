@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from leangrpo_mcore.block_split import stage_block_counts
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.vae_factors import FLUX_SPATIAL_FACTOR, spatial_factor
 
@@ -247,16 +248,6 @@ def self_attention_exchange_elements(arch: ArchSpec, tokens: dict[str, int]) -> 
     Cross-attention to the text needs no exchange (local queries against the full text).
     """
     return sum(b.count * 4 * tokens[q] * arch.hidden_size for b in arch.blocks for q, kv in b.attention if q == kv)
-
-
-def stage_block_counts(total: int, pp: int) -> list[int]:
-    """Blocks of each of ``pp`` pipeline stages in the even split of ``total`` blocks: the remainder goes to the
-    first stages (``models.common.pipeline.split_blocks``). ValueError when a stage would get no block."""
-    if pp < 1:
-        raise ValueError(f"pipeline-parallel size must be at least 1, got {pp}")
-    if pp > total:
-        raise ValueError(f"cannot split {total} blocks over {pp} pipeline stages: every stage needs a block")
-    return [total // pp + (1 if rank < total % pp else 0) for rank in range(pp)]
 
 
 # Root layers the last pipeline stage owns (the output norm / modulation and projection); the first owns the rest.

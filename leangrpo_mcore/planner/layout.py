@@ -6,7 +6,7 @@ the GPUs of a stage in a node, every CP (context-parallel) size dividing the hea
 a node (at every pp, as the trainer runs it), every FSDP shard degree filling part or all of the rest of a
 node, HSDP replicas across the remaining GPUs of a stage, each schedule (Native, Retain, Reweight) and, unless
 the experiment fixes it, activation checkpointing on and off.
-:mod:`leangrpo_mcore.parallel.cost_model` predicts each candidate's peak memory and step time; the fastest that
+:mod:`leangrpo_mcore.planner.cost_model` predicts each candidate's peak memory and step time; the fastest that
 fits wins, and the plan explains the choice against the best of the other schedules (and, with CP > 1, against
 CP = 1). When nothing fits the plan refuses, naming the smallest peak and what dominates it.
 
@@ -21,17 +21,17 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.config_workload import (  # noqa: F401 (the config entry points, re-exported)
+from leangrpo_mcore.planner.config_workload import (  # noqa: F401 (the config entry points, re-exported)
     DEFAULT_TEXT_TOKENS,
     HASHED_TEXT_TOKENS,
     precision_from_config,
     workload_from_config,
 )
-from leangrpo_mcore.parallel.arch_specs import boundary_elements, stage_block_counts
-from leangrpo_mcore.parallel.cost_model import Estimate, estimate
-from leangrpo_mcore.parallel.pipeline_time import crossing_boundaries
-from leangrpo_mcore.parallel.workload import SCHEDULES, GiB, Hardware, Layout, Workload
-from leangrpo_mcore.parallel.placement import Placement, place
+from leangrpo_mcore.planner.arch_specs import boundary_elements, stage_block_counts
+from leangrpo_mcore.planner.cost_model import Estimate, estimate
+from leangrpo_mcore.planner.pipeline_time import crossing_boundaries
+from leangrpo_mcore.planner.workload import SCHEDULES, GiB, Hardware, Layout, Workload
+from leangrpo_mcore.planner.placement import Placement, place
 
 _WORDS = {
     "rollout": "rollout forwards", "recompute": "recomputing the selected steps",

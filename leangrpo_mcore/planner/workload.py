@@ -1,7 +1,7 @@
 """What the planner plans: the cluster, the experiment, a parallel layout and how a step's samples fall on it.
 
-Pure Python dataclasses shared by :mod:`leangrpo_mcore.parallel.cost_model` and
-:mod:`leangrpo_mcore.parallel.layout`.
+Pure Python dataclasses shared by :mod:`leangrpo_mcore.planner.cost_model` and
+:mod:`leangrpo_mcore.planner.layout`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.arch_specs import ArchSpec
+from leangrpo_mcore.planner.arch_specs import ArchSpec
 
 GiB = 1024 ** 3
 SCHEDULES = ("native", "retain", "reweight")

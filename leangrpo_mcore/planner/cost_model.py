@@ -3,10 +3,10 @@
 Memory (bytes per GPU) is the maximum over the phases of a step (rollout, the schedule's update, gradient sync,
 optimizer step) of the tensors alive in that phase: sharded weights / gradients / optimizer state (FSDP2 divides
 them by ``dp_shard x cp``, TP by ``tp`` for the head-parallel layers), the gathered working parameters,
-activations from the calibrated fit (:mod:`leangrpo_mcore.parallel.activations`), Reweight's unsharded
+activations from the calibrated fit (:mod:`leangrpo_mcore.planner.activations`), Reweight's unsharded
 provisional gradients, the rollout's working set and trajectory store, fixed reservations (CUDA/NCCL overhead,
 ``--reward-mem-gb``) and, on the scoring ranks only (CP rank 0 of the last pipeline stage), the learned reward
-model and its scoring activations (:mod:`leangrpo_mcore.parallel.reward_specs`). Context parallelism (``cp``)
+model and its scoring activations (:mod:`leangrpo_mcore.planner.reward_specs`). Context parallelism (``cp``)
 splits every sample's tokens, so the per-token terms (activations, working sets, Retain's graphs, trajectory
 latents) are divided by ``cp``; the unsharded gradients are not (each CP rank holds a full-size partial one).
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel import activations as act
-from leangrpo_mcore.parallel import pipeline_time as pt
-from leangrpo_mcore.parallel.arch_specs import (
+from leangrpo_mcore.planner import activations as act
+from leangrpo_mcore.planner import pipeline_time as pt
+from leangrpo_mcore.planner.arch_specs import (
     DEFAULT_LORA_TARGETS,
     ArchSpec,
     boundary_elements,
@@ -39,7 +39,7 @@ from leangrpo_mcore.parallel.arch_specs import (
     tp_allreduce_elements,
 )
 from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
-from leangrpo_mcore.parallel.workload import SCHEDULES, Hardware, Layout, Shape, Workload, sample_shape
+from leangrpo_mcore.planner.workload import SCHEDULES, Hardware, Layout, Shape, Workload, sample_shape
 
 
 def max_selected_that_fit(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> int:
@@ -320,7 +320,7 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
 
     At ``pp`` > 1 the terms are those of the slowest stage (its own layers' compute and communication) plus
     ``p2p`` (stage-boundary transfers) and ``pipeline_bubble`` (waiting for the other stages), from the
-    makespans of :mod:`leangrpo_mcore.parallel.pipeline_time`.
+    makespans of :mod:`leangrpo_mcore.planner.pipeline_time`.
     """
     work = _for_schedule(work, layout, schedule)
     if layout.pp == 1:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from leangrpo_mcore.parallel.workload import Hardware, Layout
+from leangrpo_mcore.planner.workload import Hardware, Layout
 
 
 def crossing_boundaries(hw: Hardware, layout: Layout) -> list[bool]:
