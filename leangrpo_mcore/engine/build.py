@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from leangrpo_mcore.config.schema import Config, LoRAConfig as LoRASection, RewardConfig as RewardSection
+from leangrpo_mcore.config.schema import Config, RewardConfig as RewardSection
 from leangrpo_mcore.data.conditioning import TextDims, TextEncoder, build_text_encoder
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
 from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
@@ -25,17 +24,14 @@ from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
 from leangrpo_mcore.engine.checkpoint import TPLayout, capture_tp_layout
 from leangrpo_mcore.engine.launch import DistContext
+from leangrpo_mcore.engine.model_source import ModelSource, lora_section, resolve_model_source
 from leangrpo_mcore.engine.optim import build_lr_scheduler, build_optimizer, trainable_parameters
 from leangrpo_mcore.engine.step import RewardFn, StepEngine, StepPlan
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.vae_factors import spatial_factor
-from leangrpo_mcore.models import LoRAConfig, apply_lora, get_family
-from leangrpo_mcore.models import mark_only_lora_trainable, resolve_model_config
-from leangrpo_mcore.models.common import checkpoint as ckpt
+from leangrpo_mcore.models import apply_lora, mark_only_lora_trainable
 from leangrpo_mcore.models.backends import resolve_backend
-from leangrpo_mcore.models.common.fp8 import fp8_config
-from leangrpo_mcore.models.registry import (ModelFamily, family_for_diffusers_class, materialize, meta_policy,
-                                             read_policy_files)
+from leangrpo_mcore.models.registry import ModelFamily, materialize, meta_policy
 from leangrpo_mcore.parallel.groups import check_layout
 from leangrpo_mcore.parallel.fsdp import apply_fsdp
 from leangrpo_mcore.models.common.pipeline import PipelineStage, split_blocks
@@ -124,69 +120,17 @@ def build_context(config: Config, dist_ctx: DistContext) -> ParallelContext:
     return build_parallel_context(Layout.from_config(config.parallel), dist_ctx.device)
 
 
-_PRESET_SOURCES = {"flux-dev": "FLUX.1-dev", "flux-schnell": "FLUX.1-schnell", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
-                   "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-ti2v-5b": "Wan2.2-TI2V-5B"}
-"""The released model of each full-size preset, named in the error of :func:`check_model_source`."""
-
-
-def check_model_source(config: Config) -> None:
-    """UserError when the run would RL-train a randomly initialised full-size policy: no ``model.path`` for a
-    preset other than the tiny ones, unless ``model.random_init`` says so on purpose."""
-    m = config.model
-    if m.path is None and m.preset is not None and "tiny" not in m.preset and not m.random_init:
-        raise UserError(f"model.path is not set: preset {m.preset} would RL-train a randomly initialised model; set "
-                        f"model.path to the {_PRESET_SOURCES.get(m.preset, 'pretrained')} transformer directory (or "
-                        f"model.random_init: true on purpose)")
-
-
 def policy_hyper(config: Config) -> tuple[ModelFamily, dict]:
-    """The policy's family and diffusers-style hyper-parameters of a run that trains or evaluates it
-    (:func:`check_model_source` first), read without building or loading any weights."""
-    check_model_source(config)
-    return architecture_hyper(config)
-
-
-def architecture_hyper(config: Config) -> tuple[ModelFamily, dict]:
-    """:func:`policy_hyper` without the model-source check, for what never needs the weights (the planner's
-    simulation)."""
-    m = config.model
-    if m.path is not None:
-        if not os.path.isdir(m.path):
-            raise UserError(f"model.path: no such directory: {m.path}")
-        if ckpt.is_policy_checkpoint(m.path):
-            meta, _ = ckpt.read_policy_checkpoint(m.path)
-            family, hyper = get_family(meta["family"]), dict(meta["config"])
-        else:
-            hyper, _ = ckpt.read_diffusers_dir(m.path)
-            family = family_for_diffusers_class(str(hyper.get("_class_name")))
-        if family.name != m.family:
-            raise UserError(f"model.path {m.path} holds a {family.name} policy, but model.family is {m.family}")
-        return family, family.config_cls.from_diffusers_config(hyper).to_diffusers_config()
-    if m.preset is None:
-        raise UserError("model: set model.path (a checkpoint) or model.preset (random init)")
-    family, model_config = resolve_model_config({"family": m.family, "preset": m.preset, **m.arch})
-    return family, model_config.to_diffusers_config()
-
-
-def lora_record(config: Config, family: ModelFamily) -> Optional[dict]:
-    """The adapters the run trains (``LoRAConfig.to_dict()``), or None for a full fine-tune."""
-    if config.model.lora.rank > 0:
-        return _lora_section(config.model.lora, family).to_dict()
-    path = config.model.path
-    if path is not None and ckpt.is_policy_checkpoint(path):
-        return ckpt.read_policy_checkpoint(path)[0].get("lora")
-    return None
+    """The family and diffusers-style hyper-parameters of the policy ``config`` trains (one
+    :func:`resolve_model_source`; a caller that also builds the policy keeps the source instead)."""
+    source = resolve_model_source(config)
+    return source.family, source.hyper
 
 
 def check_layout_early(config: Config, pctx: ParallelContext) -> None:
     """The prompt-group layout must split evenly over the data-parallel ranks (checked before any heavy work)."""
     g = config.grpo
     check_layout(config.parallel.layout, pctx.dp_size, g.group_size, g.prompts_per_step)
-
-
-def _lora_section(section: LoRASection, family: ModelFamily) -> LoRAConfig:
-    targets = tuple(section.targets) if section.targets is not None else tuple(family.lora_targets)
-    return LoRAConfig(rank=section.rank, alpha=section.alpha, targets=targets)
 
 
 def precision_of(config: Config, pctx: ParallelContext) -> RunPrecision:
@@ -205,30 +149,21 @@ def precision_of(config: Config, pctx: ParallelContext) -> RunPrecision:
 
 
 def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrecision, *,
-                       fill_values: bool = True) -> PolicyParts:
+                       source: Optional[ModelSource] = None, fill_values: bool = True) -> PolicyParts:
     """Policy (+LoRA) built on the meta device, TP layout record, FSDP2 (casting to the compute dtype) applied on
     the meta model, then only this rank's shards allocated in the master dtype and filled (seeded init, or read
     box by box from ``model.path``; not at all with ``fill_values=False``, for a simulation); then optimizer, LR
     schedule and EMA shadows. No rank holds the full model."""
     m = config.model
-    files = read_policy_files(m.path) if m.path is not None else None
-    if files is not None:
-        family, model_config = files.family, files.config
-        if m.activation_checkpointing:
-            model_config = dataclasses.replace(model_config, activation_checkpointing=True)
-        if m.fp8 is not None:  # FP8 is a run setting, not part of a checkpoint: apply it however the policy is built
-            model_config = fp8_config(model_config, m.fp8)
-    else:
-        family, model_config = resolve_model_config({"family": m.family, "preset": m.preset, **m.arch,
-                                                     "activation_checkpointing": m.activation_checkpointing,
-                                                     "fp8": m.fp8})
+    source = source if source is not None else resolve_model_source(config)
+    family, model_config, files = source.family, source.config, source.files
     stage = pipeline_stage(model_config.num_layers, pctx)
-    policy = meta_policy(family, model_config, m.backend, torch_dtype(precision.master),
-                         files.lora if files is not None else None, stage=stage)
+    policy = meta_policy(family, model_config, m.backend, torch_dtype(precision.master), source.stored_lora,
+                         stage=stage)
     lora = config.model.lora
     if lora.rank > 0 and getattr(policy, "lora_config", None) is None:
         with torch.device("meta"):  # a stage may hold none of a target's modules; the whole model holds them all
-            apply_lora(policy, _lora_section(lora, family), seed=m.seed, require_match=stage is None)
+            apply_lora(policy, lora_section(lora, family), seed=m.seed, require_match=stage is None)
     if getattr(policy, "lora_config", None) is not None:
         mark_only_lora_trainable(policy)
         _frozen_in(policy, torch_dtype(precision.compute))

@@ -46,12 +46,12 @@ def evaluate_model(config: Config, checkpoint_path: Optional[str] = None) -> Opt
         with user_errors():
             pctx = build.build_context(config, dist_ctx)
             precision = build.precision_of(config, pctx)
-            family, hyper = build.policy_hyper(config)
+            source = build.resolve_model_source(config)
             step = 0
             if checkpoint_path is not None:
-                step = _check_checkpoint(checkpoint_path, family.name, hyper, build.lora_record(config, family))
-            text, decoder = build.build_text_and_vae(config, family, hyper, dist_ctx.device)
-            parts = build.build_policy_parts(config, pctx, precision)
+                step = _check_checkpoint(checkpoint_path, source.family.name, source.hyper, source.lora)
+            text, decoder = build.build_text_and_vae(config, source.family, source.hyper, dist_ctx.device)
+            parts = build.build_policy_parts(config, pctx, precision, source=source)
             if checkpoint_path is not None:
                 checkpoint.load_checkpoint(checkpoint_path, model=parts.policy, optimizer=parts.optimizer,
                                            lr_scheduler=parts.lr_scheduler, ema=parts.ema, layout=parts.tp_layout,

@@ -305,11 +305,11 @@ class Trainer:
         self.precision = build.precision_of(config, self.pctx)
         if self.precision.legacy_note:
             logger.info("%s", self.precision.legacy_note)
-        self.family, self.hyper = build.policy_hyper(config)
-        self.lora = build.lora_record(config, self.family)
+        self.source = build.resolve_model_source(config)  # model.path is read here, once
+        self.family, self.hyper, self.lora = self.source.family, self.source.hyper, self.source.lora
         same_layout = self._check_compatible(self.resume_path) if self.resume_path else True
         self.data = build.build_data_parts(config, self.family, self.hyper, dist_ctx.device, self.pctx)
-        self.parts = build.build_policy_parts(config, self.pctx, self.precision)
+        self.parts = build.build_policy_parts(config, self.pctx, self.precision, source=self.source)
         self.bridge = RewardBridge(self.data, config)
         self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
         if self.schedule == "reweight":

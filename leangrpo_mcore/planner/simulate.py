@@ -250,21 +250,23 @@ SIM_STEPS = 2
 
 def block_counts(config: Config) -> dict[str, int]:
     """The policy's blocks by kind (FLUX: double- and single-stream; Wan: one kind), in diffusers' keys."""
-    from leangrpo_mcore.engine.build import architecture_hyper
+    from leangrpo_mcore.engine.model_source import resolve_model_source
 
-    family, hyper = architecture_hyper(config)
+    source = resolve_model_source(config, check=False)  # a simulation never needs weights
+    family, hyper = source.family, source.hyper
     keys = ("num_layers", "num_single_layers") if family.name == "flux" else ("num_layers",)
     return {key: int(hyper[key]) for key in keys}
 
 
 def with_blocks(config: Config, counts: dict[str, int]) -> Config:
     """``config`` with the policy's block counts replaced (the architecture otherwise as configured)."""
-    from leangrpo_mcore.engine.build import architecture_hyper
+    from leangrpo_mcore.engine.model_source import resolve_model_source
 
     m = config.model
     arch = dict(m.arch)
     if m.path is not None:  # the architecture as the checkpoint states it; a simulation reads no weights
-        family, hyper = architecture_hyper(config)
+        source = resolve_model_source(config, check=False)
+        family, hyper = source.family, source.hyper
         arch = {k: v for k, v in hyper.items() if not k.startswith("_")}
         m = dataclasses.replace(m, path=None, family=family.name, preset=None)
     return dataclasses.replace(config, model=dataclasses.replace(m, arch={**arch, **counts}))

@@ -232,3 +232,27 @@ def test_prompt_metadata_reaches_a_reward_that_takes_it(tmp_path):
 
     video_reward = build_reward("metadata_score_for_tests", frames=2)
     assert video_reward(torch.rand(2, 3, 5, 8, 8), ["a", "b"], [{"score": 2}, {"score": 4}]).tolist() == [2.0, 4.0]
+
+
+def test_model_path_is_read_once_by_training_and_evaluation(trained, tmp_path, monkeypatch):
+    """The model source is resolved once and handed on: no second reading of model.path's metadata."""
+    from leangrpo_mcore.models.common import checkpoint as ckpt
+
+    export = tmp_path / "diffusers"
+    ours = tmp_path / "ours"
+    assert convert_main(["mcore-to-diffusers", "--src", str(trained / "checkpoints" / "step_2"),
+                         "--dst", str(export)]) == 0
+    assert convert_main(["diffusers-to-mcore", "--model", "flux", "--src", str(export), "--dst", str(ours)]) == 0
+    calls = []
+    for name in ("read_policy_checkpoint", "read_diffusers_dir"):
+        original = getattr(ckpt, name)
+        monkeypatch.setattr(ckpt, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    torch.set_num_threads(1)
+    for path, reader in ((ours, "read_policy_checkpoint"), (export, "read_diffusers_dir")):
+        calls.clear()
+        assert train_main(["--config", TINY_FLUX, f"train.output_dir={tmp_path / reader}", "train.max_steps=1",
+                           f"model.path={path}"]) == 0
+        assert calls == [reader]
+        calls.clear()
+        assert eval_main(["--config", TINY_FLUX, f"model.path={path}", *EVAL]) == 0
+        assert calls == [reader]

@@ -9,6 +9,7 @@ from leangrpo_mcore.cli.plan import main as plan_main
 from leangrpo_mcore.cli.train import main as train_main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.engine import build
+from leangrpo_mcore.engine.model_source import check_random_init
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.planner.layout import workload_from_config
 from leangrpo_mcore.planner.simulate import block_counts
@@ -75,14 +76,14 @@ def test_random_init_on_purpose_and_tiny_presets_pass():
     family, hyper = build.policy_hyper(config)
     assert family.name == "flux" and hyper["num_layers"] == 19 and hyper["num_single_layers"] == 38
     for tiny in ("tiny/flux.yaml", "tiny/wan.yaml", "demo/tiny_flux_cpu.yaml"):
-        build.check_model_source(load_config(str(ROOT / "yaml_configs" / tiny)))
+        check_random_init(load_config(str(ROOT / "yaml_configs" / tiny)))
     with pytest.raises(UserError, match="^model.path is not set: preset flux-dev"):
         build.policy_hyper(load_config(str(FLUX / "base.yaml")))
 
 
 def test_benchmark_configs_build_without_weights():
     for path in (ROOT / "yaml_configs" / "bench").glob("*.yaml"):
-        build.check_model_source(load_config(str(path)))  # flux_gpu.yaml: a full-size preset, random_init set
+        check_random_init(load_config(str(path)))  # flux_gpu.yaml: a full-size preset, random_init set
 
 
 def test_the_planner_needs_no_weights(capsys):
