@@ -97,14 +97,14 @@ def test_wan_global_std_clamp_kl_micro_batch():
     _check_engine_numbers(native, case)
     unclamped = reference_advantages(native.components, WEIGHTS, global_std=True)
     assert np.abs(unclamped).max() > 1.0  # the clamp fires
-    check_parity(native, retain, reweight, per_sample=True)
+    check_parity(native, retain, reweight, per_sample=True, tol=1.5e-6)  # measured 3.3e-7
 
 
 def test_dance_grpo_two_updates():
     case = Case(family="wan", advantage="dance_grpo", updates=2, group_size=3, reward_weights=WEIGHTS)
     native, retain, reweight = _run_three(case)
     _check_engine_numbers(native, case)
-    check_parity(native, retain, reweight)
+    check_parity(native, retain, reweight, tol=4e-6)  # measured 8.4e-7 (second update)
 
 
 @pytest.mark.parametrize("schedule", ["native", "reweight"])

@@ -1,9 +1,12 @@
 """Native / Retain / Reweight gradient parity on tiny FLUX and Wan policies (world size 1, fp32, CPU).
 
-Retain must be bitwise equal to Native (gradients of every update and parameters after the SGD steps),
-Reweight within 1e-6 relative L2; all three must draw the same trajectories and rewards (bitwise; with
-micro-batches of B > 1 Reweight's trained steps run per-sample forwards of batch 1, whose float rounding differs
-from a batch of B, so there its trajectory is the same up to rounding). The helpers here
+Retain must be bitwise equal to Native (gradients of every update and parameters after the SGD steps), Reweight
+within a relative L2 tolerance set per case at least 3x above its measured fp32 error (Reweight scales already
+formed gradients, so it differs from Native by rounding alone: 2e-7 to 9e-7 measured single-threaded on CPU; the
+default 1e-6 stands where the error is at most 3.3e-7); all three must draw the same trajectories and rewards
+(bitwise; with micro-batches of B > 1 Reweight's trained steps run per-sample forwards of batch 1, whose float
+rounding differs from a batch of B, so there its trajectory is the same up to rounding). The values of the KL term
+and of the loss weighting are pinned against a formula in ``test_native_closed_form.py``. The helpers here
 (:class:`Case`, :func:`run_case`) are shared with the distributed tests.
 """
 
@@ -230,9 +233,11 @@ def bitwise(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def check_parity(native: Outcome, retain: Outcome, reweight: Outcome, *, per_sample: bool = False) -> None:
+def check_parity(native: Outcome, retain: Outcome, reweight: Outcome, *, per_sample: bool = False,
+                 tol: float = 1e-6) -> None:
     """The schedule-equivalence assertions for one configuration (``per_sample``: Reweight's trained steps ran
-    per-sample forwards in micro-batches of B > 1, so its rollout equals Native's up to float rounding)."""
+    per-sample forwards in micro-batches of B > 1, so its rollout equals Native's up to float rounding; ``tol``:
+    the relative L2 limit of Reweight against Native, at least 3x the case's measured fp32 error)."""
     assert np.array_equal(native.rewards, retain.rewards)
     assert np.array_equal(native.trajectory, retain.trajectory)
     if per_sample:
@@ -245,9 +250,9 @@ def check_parity(native: Outcome, retain: Outcome, reweight: Outcome, *, per_sam
     for n, r, w in zip(native.grads, retain.grads, reweight.grads):
         assert max(float(np.abs(g).max()) for g in n) > 0
         assert bitwise(n, r)
-        assert rel_l2(n, w) < 1e-6
+        assert rel_l2(n, w) < tol
     assert bitwise(native.params, retain.params)
-    assert rel_l2(native.params, reweight.params) < 1e-6
+    assert rel_l2(native.params, reweight.params) < tol
     low, high = native.ratio[0]
     assert abs(low - 1.0) <= 1e-6 and abs(high - 1.0) <= 1e-6  # on-policy: the recompute reproduces log p_old
     assert retain.ratio[0] == reweight.ratio[0] == (1.0, 1.0)
@@ -281,7 +286,7 @@ def test_wan_cfg_lora_kl_dance_selection_two_updates():
     case = Case(family="wan", lora=True, kl_beta=20.0, kl_form="exact", selection="dance_grpo", fraction=0.7,
                 advantage="dance_grpo", sde_kind="dance_grpo", updates=2, group_size=3)
     native, retain, reweight = run_three(case)
-    check_parity(native, retain, reweight)
+    check_parity(native, retain, reweight, tol=3e-6)  # measured 6.1e-7 (second update)
     without_kl = run_case(case.but(kl_beta=0.0))
     assert rel_l2(native.grads[0], without_kl.grads[0]) > 1e-2  # the KL term is a real part of the gradient
 
@@ -290,9 +295,9 @@ def test_flux_lora_kl_global_std_sde_window_micro_batch():
     case = Case(family="flux", lora=True, kl_beta=50.0, selection="sde_window", window=2, fraction=1.0,
                 global_std=True, micro_batch=2)
     native, retain, reweight = run_three(case)
-    check_parity(native, retain, reweight, per_sample=True)
+    check_parity(native, retain, reweight, per_sample=True, tol=4e-6)  # measured 9.0e-7
     affine = run_case(case.but(schedule="reweight", accumulate="affine"))
-    assert rel_l2(native.grads[0], affine.grads[0]) < 1e-6
+    assert rel_l2(native.grads[0], affine.grads[0]) < 4e-6  # measured 9.1e-7
 
 
 def test_wan_global_std_with_clamping():
@@ -300,7 +305,7 @@ def test_wan_global_std_with_clamping():
     native, retain, reweight = run_three(case)
     centred = native.rewards - native.rewards.mean(axis=1, keepdims=True)
     assert (np.abs(centred) / (native.rewards.std() + 1e-4)).max() > 0.8  # the clamp fires
-    check_parity(native, retain, reweight)
+    check_parity(native, retain, reweight, tol=2e-6)  # measured 5.0e-7
 
 
 def test_flux_group_clamp_falls_back_to_per_sample():
@@ -317,7 +322,7 @@ def test_reweight_micro_batches_train_every_sample_of_the_per_sample_forwards(mi
     """Wan with two-branch CFG and the KL term: each sample's forward runs alone with its own conditioning."""
     case = Case(family="wan", lora=True, kl_beta=20.0, micro_batch=micro_batch, prompts=1)
     native, retain, reweight = run_three(case)
-    check_parity(native, retain, reweight, per_sample=True)
+    check_parity(native, retain, reweight, per_sample=True, tol=2e-6)  # measured 3.6e-7
     assert reweight.buffers == 5  # one provisional gradient per sample, whatever the micro-batch, + the KL one
     single = run_case(case.but(schedule="reweight", micro_batch=1))
     assert rel_l2(single.grads[0], reweight.grads[0]) < 1e-6
