@@ -20,6 +20,10 @@ in turn. What megatron reads from the model's config is built here, once per cal
   point-to-point module of the pipeline stages (:mod:`leangrpo_mcore.parallel.stages`) its receive buffers on
   ``torch.cuda.current_device()``; on a machine without CUDA those calls run with the allocations redirected to
   the CPU (:func:`cpu_bridge`). Nothing else on these paths touches CUDA.
+- **pipeline stages** (``parallel.pp`` > 1). megatron's 1F1B frees each sent output's data as soon as it is
+  sent (``deallocate_pipeline_outputs``), and an exception in the last stage's forward or loss is held until the
+  call is over, then raised on every stage (:class:`_PipelineGuard`): megatron's schedules cannot abort, and
+  the earlier stages would otherwise wait for gradients until the process group's timeout.
 - **phases.** megatron brackets each micro-batch's forward + loss (``forward-compute``) and its backward
   (``backward-compute``) with ``config.timers``; :class:`_PhaseTimers` turns those brackets into the
   project's phase hook, so the step's phase breakdown names exactly what the scheduler ran.
@@ -208,6 +212,10 @@ def loss_triple(loss: torch.Tensor):
     return loss, token_count(), {"loss": loss.detach()}
 
 
+InputHook = Callable[[torch.Tensor], torch.Tensor]
+"""A map of each boundary the scheduler hands a stage, before the policy sees it."""
+
+
 def _owned(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a copy when it is a view: megatron frees a sent output's data in place
     (``deallocate_output_tensor``), which it refuses for a view of another tensor. The policies' boundaries
@@ -235,8 +243,7 @@ class _PipelineGuard:
         """The last stage's first exception in this call."""
         self._received: Optional[torch.Tensor] = None
 
-    def recording(self, hook: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> Callable[[torch.Tensor],
-                                                                                               torch.Tensor]:
+    def recording(self, hook: Optional[InputHook]) -> InputHook:
         """``hook`` (an input hook of :class:`_Stage`, or None) that also remembers each received boundary."""
         def record(tensor: torch.Tensor) -> torch.Tensor:
             self._received = tensor

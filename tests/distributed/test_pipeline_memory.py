@@ -118,6 +118,7 @@ def _sent_sizes() -> dict:
     return {grad: sorted({out.numel() for g, out in sent if g == grad}) for grad in (False, True)}
 
 
+@pytest.mark.slow
 def test_no_grad_rollout_keeps_no_boundary_and_grad_keeps_each():
     first, last = run_ranks(_boundaries_rank, 2, timeout=180)
     # without grad, stage 0 holds at most the one boundary megatron's loop still names while it runs the next
