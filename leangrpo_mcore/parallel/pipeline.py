@@ -20,6 +20,10 @@ in turn. What megatron reads from the model's config is built here, once per cal
   point-to-point module of the pipeline stages (:mod:`leangrpo_mcore.parallel.stages`) its receive buffers on
   ``torch.cuda.current_device()``; on a machine without CUDA those calls run with the allocations redirected to
   the CPU (:func:`cpu_bridge`). Nothing else on these paths touches CUDA.
+- **pipeline stages** (``parallel.pp`` > 1). megatron's 1F1B frees each sent output's data as soon as it is
+  sent (``deallocate_pipeline_outputs``), and an exception in the last stage's forward or loss is held until the
+  call is over, then raised on every stage (:class:`_PipelineGuard`): megatron's schedules cannot abort, and
+  the earlier stages would otherwise wait for gradients until the process group's timeout.
 - **phases.** megatron brackets each micro-batch's forward + loss (``forward-compute``) and its backward
   (``backward-compute``) with ``config.timers``; :class:`_PhaseTimers` turns those brackets into the
   project's phase hook, so the step's phase breakdown names exactly what the scheduler ran. They only time:
@@ -33,10 +37,12 @@ policy itself is reached through the schedule's velocity function inside ``forwa
 from __future__ import annotations
 
 import contextlib
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from megatron.core.enums import ModelType
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -118,9 +124,11 @@ class _PhaseTimers:
 
 
 def schedule_config(grad_sync: Optional[GradSync], phase: PhaseFn, phases: dict[str, str],
-                    dtype: torch.dtype = torch.float32) -> ScheduleConfig:
-    """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` as timers."""
-    return ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, deallocate_pipeline_outputs=False,
+                    dtype: torch.dtype = torch.float32, pipelined: bool = False) -> ScheduleConfig:
+    """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` as timers.
+    ``pipelined`` (stages of ``parallel.pp`` > 1): megatron's 1F1B frees each sent output's data at once
+    (``deallocate_pipeline_outputs``, see :class:`_PipelineGuard`)."""
+    return ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, deallocate_pipeline_outputs=pipelined,
                           no_sync_func=grad_sync.backward_mode if grad_sync is not None else None,
                           grad_sync_func=None,
                           finalize_model_grads_func=None, grad_scale_func=None,
@@ -192,6 +200,109 @@ def loss_triple(loss: torch.Tensor):
     return loss, token_count(), {"loss": loss.detach()}
 
 
+InputHook = Callable[[torch.Tensor], torch.Tensor]
+"""A map of each boundary the scheduler hands a stage, before the policy sees it."""
+
+
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a copy when it is a view: megatron frees a sent output's data in place
+    (``deallocate_output_tensor``), which it refuses for a view of another tensor. The policies' boundaries
+    (a concatenation) and the schedules' losses (a sum) are never views; a view costs one copy."""
+    return tensor if tensor._base is None else tensor.clone()
+
+
+class _PipelineGuard:
+    """One pipelined scheduler call's exceptions on the last stage, raised on every stage once the call is over.
+
+    Megatron's schedules cannot abort: a last stage that raises in a forward or a loss would leave the earlier
+    stages blocked in ``recv_backward`` (or the next collective) until the process group's timeout. So the last
+    stage keeps its first exception and answers that micro-batch and every later one with a zero loss on the
+    boundary it received, without running them: the earlier stages receive zero gradients of the right shape
+    and the schedule runs to its end in moments. Then the last stage broadcasts over the pipeline group whether
+    it failed (one int: the call's only extra collective), and on failure the exception's class and message:
+    every stage raises the same exception, so every rank prints the same ``error:`` line (a
+    :class:`~leangrpo_mcore.errors.UserError`) or the same last traceback line (a bug)."""
+
+    def __init__(self, ctx, pp: int, forward_only: bool) -> None:
+        self.group, self.forward_only = ctx.pp_group, forward_only
+        self.last = ctx.pp_rank == pp - 1
+        self.src = dist.get_global_rank(self.group, pp - 1)
+        self.error: Optional[Exception] = None
+        """The last stage's first exception in this call."""
+        self._received: Optional[torch.Tensor] = None
+
+    def recording(self, hook: Optional[InputHook]) -> InputHook:
+        """``hook`` (an input hook of :class:`_Stage`, or None) that also remembers each received boundary."""
+        def record(tensor: torch.Tensor) -> torch.Tensor:
+            self._received = tensor
+            return tensor if hook is None else hook(tensor)
+        return record
+
+    def _failed(self, error: Exception):
+        """Keep the first ``error``; the zero-loss stand-in of the micro-batch (megatron's forward step output)."""
+        if self.error is None:
+            self.error = error
+        zero = self._received.sum() * 0.0
+        return zero, (None if self.forward_only else loss_triple)
+
+    def forward_step(self, inner: ForwardStepFunc) -> ForwardStepFunc:
+        """``inner`` whose sent boundaries and losses are never views (:func:`_owned`); on the last stage one that
+        keeps an exception instead of raising it (class doc)."""
+        def guarded(data_iterator, model):
+            if self.error is not None:
+                next(data_iterator)
+                return self._failed(self.error)
+            try:
+                output, loss_func = inner(data_iterator, model)
+            except Exception as error:  # noqa: BLE001 - re-raised on every stage after the call
+                if not self.last:
+                    raise
+                return self._failed(error)
+            if not (self.last or self.forward_only):
+                output = _owned(output)  # the boundary megatron frees once sent
+            return output, (None if loss_func is None else self._loss(loss_func))
+        return guarded
+
+    def _loss(self, loss_func: Callable) -> Callable:
+        def guarded(output: torch.Tensor):
+            try:
+                loss, *rest = loss_func(output)
+            except Exception as error:  # noqa: BLE001 - re-raised on every stage after the call
+                return loss_triple(self._failed(error)[0])
+            return (_owned(loss), *rest)
+        return guarded
+
+    def raise_if_failed(self) -> None:
+        """Raise the last stage's exception on every stage of the pipeline, if it had one (class doc)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        failed = torch.tensor([int(self.error is not None)], dtype=torch.int32, device=device)
+        dist.broadcast(failed, src=self.src, group=self.group)
+        if not int(failed.item()):
+            return
+        payload = [_described(self.error) if self.last else None]
+        dist.broadcast_object_list(payload, src=self.src, group=self.group)
+        if self.last:
+            raise self.error
+        raise _rebuilt(*payload[0]) from None
+
+
+def _described(error: Exception) -> tuple[type, str]:
+    """(class, message) of ``error`` for the other stages; RuntimeError when its class cannot travel."""
+    try:
+        pickle.dumps(type(error))
+        return type(error), str(error)
+    except Exception:  # noqa: BLE001 - a local class: its name travels in the message instead
+        return RuntimeError, f"{type(error).__name__}: {error}"
+
+
+def _rebuilt(kind: type, message: str) -> Exception:
+    """``kind(message)``, or a RuntimeError naming ``kind`` when its constructor takes other arguments."""
+    try:
+        return kind(message)
+    except Exception:  # noqa: BLE001
+        return RuntimeError(f"{kind.__name__}: {message}")
+
+
 P2P_TIMERS = ("forward-recv", "backward-recv", "forward-send", "backward-send", "forward-send-backward-recv",
               "backward-send-forward-recv")
 """megatron's point-to-point timer names: at pipeline size > 1 they are the ``bubble`` phase (transfers and the
@@ -226,7 +337,10 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     pp = int(ctx.layout.pp) if pipeline is not None else 1
     if pp > 1:
         phases = {**phases, **{name: "bubble" for name in P2P_TIMERS}}
-    config = schedule_config(grad_sync, phase, phases, dtype)
+    config = schedule_config(grad_sync, phase, phases, dtype, pipelined=pp > 1)
+    guard = _PipelineGuard(ctx, pp, forward_only) if pp > 1 else None
+    if guard is not None:
+        forward_step_func, input_hook = guard.forward_step(forward_step_func), guard.recording(input_hook)
     sync = grad_sync.backward_mode() if grad_sync is not None else contextlib.nullcontext()
     forward_backward = get_forward_backward_func(pp_size=pp, vp_size=None)
     stage = _Stage(config, pipeline, input_hook)
@@ -234,8 +348,11 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     if pp > 1:
         extra["p2p_communicator"] = P2PCommunicator(pp_group=ctx.pp_group, config=config)
     with cpu_bridge(), sync:
-        return forward_backward(forward_step_func=forward_step_func, data_iterator=iter(micro_batches),
-                                model=stage, num_microbatches=len(micro_batches), seq_length=0,
-                                micro_batch_size=1, forward_only=forward_only,
-                                pg_collection=_process_groups(int(ctx.layout.cp), ctx.pp_group if pp > 1 else None),
-                                **extra)
+        out = forward_backward(forward_step_func=forward_step_func, data_iterator=iter(micro_batches),
+                               model=stage, num_microbatches=len(micro_batches), seq_length=0,
+                               micro_batch_size=1, forward_only=forward_only,
+                               pg_collection=_process_groups(int(ctx.layout.cp), ctx.pp_group if pp > 1 else None),
+                               **extra)
+    if guard is not None:
+        guard.raise_if_failed()
+    return out

@@ -245,8 +245,10 @@ class StagedVelocity:
         def forward_step(data_iterator, model):
             latents, sigma, conditioning = next(data_iterator)
             if not self.link.last:
-                boundaries.append(self.boundary(latents, sigma, conditioning))
-                return boundaries[-1], None
+                boundary = self.boundary(latents, sigma, conditioning)
+                if keep:  # only a kept graph needs its boundary (_Tied below); else the send is its last use
+                    boundaries.append(boundary)
+                return boundary, None
             return self(latents, sigma, conditioning), None  # no loss: the scheduler keeps the velocity
 
         hook = (lambda boundary: _SendsGradBack.apply(boundary, self.link)) if keep and not self.link.first \
