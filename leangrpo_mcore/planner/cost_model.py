@@ -113,6 +113,9 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
     # Only CP rank 0 of the last stage scores (engine/step.py): it alone holds the reward model. The planner's
     # rank of a stage stands for its heaviest one, so the last stage's is that scoring rank.
     scores = stage == layout.pp - 1
+    # A no-grad pipelined rollout keeps no boundary after sending it (parallel/stages.py): a stage before the last
+    # holds at most two micro-batches' boundaries at once (the one it sends, the next it makes), whatever their count.
+    boundaries = 0 if scores else -(-2 * boundary_elements(work.arch, work.tokens) * prec.compute_bytes * batch // cp)
     return {
         "weights": math.ceil((trainable * prec.storage_bytes + frozen * prec.compute_bytes) / s),
         "optimizer_temporaries": math.ceil((trainable if work.foreach_optimizer else _largest_weight(arch))
@@ -128,6 +131,7 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
         "activations_sample_step": per_sample_step,
         "backward_transient": recompute + working + block_grad,
         "rollout_working": working,
+        "rollout_boundaries": boundaries,
         "decode": work.decode_bytes,
         "trajectory": trajectory,
         "gradient_buffer": trainable * prec.buffer_bytes,
@@ -186,7 +190,8 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
     sharded = 0 if _coalesced(work, schedule) else m["grads"]
     trajectories = m["trajectory"] * (m["samples"] if schedule == "native" else 1)
     phases = {
-        "rollout": {**base, "trajectories": trajectories, "rollout_working": m["rollout_working"]},
+        "rollout": {**base, "trajectories": trajectories, "rollout_working": m["rollout_working"],
+                    "rollout_boundaries": m["rollout_boundaries"]},
         "optimizer_step": {"weights": m["weights"], "optimizer": m["optimizer"], "grads": m["grads"],
                            "reserved": m["reserved"], "reward_model": m["reward_model"],
                            "optimizer_temporaries": m["optimizer_temporaries"]},

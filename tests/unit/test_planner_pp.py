@@ -165,6 +165,18 @@ def test_each_stage_holds_its_share_of_the_weights_and_native_keeps_pp_units_on_
     assert [s["activations"] / p for s, p in zip(stages, per_unit)] == pytest.approx([4, 3, 2, 1])
 
 
+def test_a_no_grad_rollout_stage_holds_two_boundaries_whatever_the_micro_batch_count():
+    work, hw = _flux_work(activation_checkpointing=False), Hardware(nodes=4, gpus_per_node=8)
+    lay = Layout(4, 1, 2, 1, 4)
+    arch, tokens = work.arch, work.tokens
+    # FLUX sends [temb, text, image] rows of hidden_size per sample (bf16), two in flight on a stage that sends
+    expected = 2 * (1 + tokens["joint"]) * arch.hidden_size * 2
+    rollout = [memory_phases(work, hw, lay, "reweight", False, k)["rollout"] for k in range(4)]
+    assert [r["rollout_boundaries"] for r in rollout] == [expected, expected, expected, 0]
+    more = replace(work, group_size=64)
+    assert memory_phases(more, hw, lay, "reweight", False, 0)["rollout"]["rollout_boundaries"] == expected
+
+
 def test_reweight_pipelines_each_trained_step_and_reference_forwards_cost_how_they_run():
     work, hw, lay = _flux_work(), Hardware(nodes=4, gpus_per_node=8), Layout(4, 2, 1, 1, 4)
 
