@@ -20,7 +20,9 @@ Nothing is gathered: a rank's shards go to disk as they are (see
 tensor), so the host memory of a save is at most one rank's shards. On load each rank reads the boxes it
 needs at its own layout, which is what makes a checkpoint load at any world size, FSDP2/HSDP degree and TP
 degree. The whole write goes into ``step_<N>.tmp-<id>`` and is renamed into place after the marker, so a
-crash mid-save leaves only a ``.tmp-`` directory that resume never picks and the next launch removes.
+crash mid-save leaves only a ``.tmp-`` directory that resume never picks and the next launch removes. A crash
+after the marker (before the rename, or between the two renames that replace an existing ``step_<N>``) leaves a
+complete copy under a ``.tmp-`` name: ``checkpoint.resume=auto`` puts it back in place and nothing deletes it.
 
 FSDP2 drops the megatron TP attributes of parameters when it wraps them, so the trainer records them first with
 :func:`~leangrpo_mcore.models.common.tp.capture_tp_layout` (also here) and passes that map to save and load.
@@ -45,8 +47,8 @@ import torch.distributed as dist
 
 from leangrpo_mcore.engine import ckpt_manifest as manifest
 from leangrpo_mcore.engine import extra_state
-from leangrpo_mcore.engine.launch import broadcast_object, get_logger
-from leangrpo_mcore.engine.run_dir import STEP_DIR, RunDir
+from leangrpo_mcore.engine.launch import broadcast_object, collective_device, get_logger
+from leangrpo_mcore.engine.run_dir import STEP_ANY, STEP_DIR, RunDir, is_complete
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models.common.checkpoint import DCP_DIR, CheckpointError, write_policy_checkpoint
 from leangrpo_mcore.models.common.dcp_blocks import (Block, BlockLoadPlanner, BlockSavePlanner, BlockTensor,
@@ -202,55 +204,86 @@ def _write_error(tmp: str, err: BaseException) -> UserError:
 
 @dataclass
 class PendingSave:
-    """A checkpoint whose files are being written; :meth:`finish` (collective) verifies and publishes it."""
+    """A checkpoint whose files are being written; :meth:`finish` or :meth:`poll` (collective) report it.
+
+    A synchronous save is verified and published by :meth:`finish`. A background write (``async_save``)
+    verifies and publishes itself as soon as its files are written, so a crash after that point keeps the
+    checkpoint; :meth:`poll` then reports it, or its one-line error, at the first step after it completed.
+    """
 
     run_dir: RunDir
     tmp: str
     final: str
     step: int
     future: Optional[Future]
+    """The background write's outcome: the published path, or the exception that stopped it."""
     error: Optional[UserError] = None
 
     def finish(self) -> str:
-        """Collective: wait for the writes, checksum them, write the marker and rename into place."""
-        error = self.error
-        if error is None and self.future is not None:
-            try:
-                self.future.result()
-            except UserError as err:
-                error = err
-            except BaseException as err:  # noqa: BLE001 -- any storage failure becomes one line
-                error = _write_error(self.tmp, err)
-        files: dict[str, dict] = {}
-        if error is None:
-            try:
-                files = manifest.describe(self.tmp, _own_files(self.tmp, _rank()))
-            except OSError as err:
-                error = _write_error(self.tmp, err)
-        gathered = [(None if error is None else str(error), files)]
+        """Collective: the published checkpoint's path (waiting for a background write), or the write's
+        UserError, the same on every rank."""
+        if self.future is None:
+            return _complete(self.tmp, self.final, self.step, self.error, None)
+        try:
+            return self.future.result()
+        except UserError:
+            raise
+        except BaseException as err:  # noqa: BLE001 -- any storage failure becomes one line
+            raise _write_error(self.tmp, err) from None
+
+    def poll(self) -> Optional[str]:
+        """Collective: None while a background write still runs on some rank, else :meth:`finish`."""
+        if self.future is None:
+            return self.finish()
+        running = torch.tensor([0.0 if self.future.done() else 1.0], device=collective_device())
         if _world() > 1:
-            gathered = [None] * _world()
-            dist.all_gather_object(gathered, (None if error is None else str(error), files))
-        problems = [e for e, _ in gathered if e]
-        if problems:
-            if _rank() == 0:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-            raise UserError(problems[0])
-        outcome: Optional[str] = None
+            dist.all_reduce(running, op=dist.ReduceOp.MAX)
+        return None if running.item() > 0 else self.finish()
+
+
+def _broadcast(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
+    """``obj`` of rank 0 on every rank of ``group`` (the default group for None)."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _complete(tmp: str, final: str, step: int, error: Optional[UserError],
+              group: Optional[dist.ProcessGroup]) -> str:
+    """Collective over ``group``: checksum each rank's files, write the marker and rename ``tmp`` into place
+    (rank 0); returns ``final`` or raises the first rank's UserError on every rank (``tmp`` removed)."""
+    files: dict[str, dict] = {}
+    if error is None:
+        try:
+            files = manifest.describe(tmp, _own_files(tmp, _rank()))
+        except OSError as err:
+            error = _write_error(tmp, err)
+    gathered = [(None if error is None else str(error), files)]
+    if _world() > 1:
+        gathered = [None] * _world()
+        dist.all_gather_object(gathered, (None if error is None else str(error), files), group=group)
+    problems = [e for e, _ in gathered if e]
+    if problems:
         if _rank() == 0:
-            try:
-                merged = {rel: entry for _, part in gathered for rel, entry in part.items()}
-                missing = sorted(set(manifest.files_under(self.tmp)) - set(merged))
-                merged.update(manifest.describe(self.tmp, missing))
-                manifest.write_marker(self.tmp, self.step, merged)
-                _publish(self.tmp, self.final)
-            except OSError as err:
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                outcome = str(_write_error(self.tmp, err))
-        outcome = broadcast_object(outcome)
-        if outcome:
-            raise UserError(outcome)
-        return self.final
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(problems[0])
+    outcome: Optional[str] = None
+    if _rank() == 0:
+        try:
+            merged = {rel: entry for _, part in gathered for rel, entry in part.items()}
+            missing = sorted(set(manifest.files_under(tmp)) - set(merged))
+            merged.update(manifest.describe(tmp, missing))
+            manifest.write_marker(tmp, step, merged)
+            _publish(tmp, final)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = str(_write_error(tmp, err))
+    outcome = _broadcast(outcome, group)
+    if outcome:
+        raise UserError(outcome)
+    return final
 
 
 def _own_files(tmp: str, rank: int) -> list[str]:
@@ -302,8 +335,9 @@ def save_checkpoint(run_dir: RunDir, step: int, *, model: torch.nn.Module, optim
     """Collective: start writing the checkpoint of ``step``; :meth:`PendingSave.finish` completes it.
 
     ``state`` is the JSON-able trainer state (step counter, sampler position, layout, counters). With
-    ``async_save`` the shards are copied to the host and written by a background thread; otherwise the write
-    is done when this returns.
+    ``async_save`` the shards are copied to the host and written, verified and published by a background
+    thread (on a process group of its own); otherwise the files are written when this returns and
+    :meth:`PendingSave.finish` publishes them.
     """
     final = run_dir.checkpoint_path(step)
     tmp = broadcast_object(f"{final}.tmp-{uuid.uuid4().hex[:8]}" if _rank() == 0 else None)
@@ -336,10 +370,14 @@ def save_checkpoint(run_dir: RunDir, step: int, *, model: torch.nn.Module, optim
         pending.future = Future()
 
         def write() -> None:
+            error = pending.error
             try:
                 _dcp_save(staged, folder, group)
-                pending.future.set_result(None)
-            except BaseException as err:  # noqa: BLE001 -- reported by finish()
+            except BaseException as err:  # noqa: BLE001 -- DCP wraps every rank's storage error
+                error = error or _write_error(tmp, err)
+            try:  # every rank reaches the collectives of _complete, failed or not
+                pending.future.set_result(_complete(tmp, final, step, error, group))
+            except BaseException as err:  # noqa: BLE001 -- reported by finish() and poll()
                 pending.future.set_exception(err)
 
         threading.Thread(target=write, name=f"checkpoint-step-{step}", daemon=True).start()
@@ -377,22 +415,61 @@ def list_complete(run_dir: RunDir) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def set_aside(path: str) -> str:
-    """Rename a damaged checkpoint to ``<path>.damaged-<id>`` (kept for inspection, never resumed or pruned)."""
-    target = f"{path}.damaged-{uuid.uuid4().hex[:6]}"
+def set_aside(path: str, final: Optional[str] = None) -> str:
+    """Rename a damaged checkpoint to ``<final>.damaged-<id>`` (``final`` defaults to ``path``; kept for
+    inspection, never resumed or pruned)."""
+    target = f"{final or path}.damaged-{uuid.uuid4().hex[:6]}"
     os.rename(path, target)
     return target
+
+
+def restore_interrupted(run_dir: RunDir, warn: Any = None) -> list[str]:
+    """Rank 0: rename back to ``step_<N>`` each complete checkpoint that a crash left under a ``.tmp-`` name
+    (between the renames that publish it, or between its marker and its rename) while no ``step_<N>`` exists;
+    returns the restored paths.
+
+    Of two complete copies of a step (the new write and the ``.tmp-replaced-`` copy it was replacing), the new
+    one is restored when it verifies, else the other; a copy that fails verification is set aside as
+    ``step_<N>.damaged-<id>``. Each is reported in one line through ``warn``.
+    """
+    copies: dict[int, list[str]] = {}
+    for name in run_dir.existing_checkpoints():
+        match = STEP_ANY.match(name)
+        if match.group(2) and is_complete(os.path.join(run_dir.checkpoints_dir, name)):
+            copies.setdefault(int(match.group(1)), []).append(os.path.join(run_dir.checkpoints_dir, name))
+    say = warn or (lambda message: None)
+    restored = []
+    for step, paths in sorted(copies.items()):
+        final = run_dir.checkpoint_path(step)
+        if os.path.exists(final):
+            continue
+        for path in sorted(paths, key=lambda p: ".tmp-replaced-" in p):
+            problem = manifest.verify(path)
+            try:
+                if problem is None:
+                    os.rename(path, final)
+                    say(f"checkpoint {final} was complete but not in place (a crash while publishing it); "
+                        f"restored from {os.path.basename(path)}")
+                    restored.append(final)
+                    break
+                moved = set_aside(path, final)
+            except OSError as err:
+                raise UserError(f"cannot restore checkpoint {path}: {err.strerror}") from None
+            say(f"checkpoint copy {path} is damaged ({problem}); set aside as {moved}")
+    return restored
 
 
 def resolve_resume(spec: Optional[str], run_dir: RunDir, warn: Any = None) -> Optional[str]:
     """The checkpoint to resume from: None (fresh), ``auto`` (the newest one that verifies, or None), or a path.
 
-    Under ``auto`` a newest checkpoint that fails verification is set aside with a one-line ``warn`` and the
-    previous one is tried; an explicit path that fails verification is a UserError.
+    Under ``auto`` complete checkpoints that a crash left under a ``.tmp-`` name are restored first
+    (:func:`restore_interrupted`); a newest checkpoint that fails verification is set aside with a one-line
+    ``warn`` and the previous one is tried; an explicit path that fails verification is a UserError.
     """
     if spec is None:
         return None
     if spec == "auto":
+        restore_interrupted(run_dir, warn)
         for _, path in reversed(list_complete(run_dir)):
             problem = manifest.verify(path)
             if problem is None:

@@ -3,7 +3,8 @@
 
 Only rank 0 writes. Rows are flushed line by line, so a killed run leaves at most one torn last line (which
 :func:`~leangrpo_mcore.engine.run_dir.read_metrics` ignores). NaN/inf values are written as the strings
-``"nan"``/``"inf"`` (JSON has no such numbers) and left out of TensorBoard.
+``"nan"``/``"inf"`` (JSON has no such numbers) and left out of TensorBoard. A failed write is one line naming
+the file (see :class:`MetricsLogger`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ import logging
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
 from leangrpo_mcore.engine.launch import LOGGER_NAME
+from leangrpo_mcore.errors import UserError
 
 if TYPE_CHECKING:
     from leangrpo_mcore.engine.wandb_log import WandbRun
 
 Scalar = float | int
+
+WANDB_ERRORS = (Exception,)
+"""What a failing wandb call raises: wandb's own error types (a full disk, a lost service process) besides
+OSError; every one becomes the one line naming wandb's files."""
 
 
 def reward_stats(rewards: torch.Tensor, components: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, float]:
@@ -48,74 +54,109 @@ def _json_number(value: Scalar) -> Any:
 
 
 class MetricsLogger:
-    """Writes metric rows (rank 0 only; on other ranks every method is a no-op)."""
+    """Writes metric rows (rank 0 only; on other ranks every method is a no-op).
+
+    A failure to write (a full disk, a missing permission) of metrics.jsonl, the TensorBoard events or wandb is
+    a one-line :class:`~leangrpo_mcore.errors.UserError` naming the file; after it, :meth:`close` releases the
+    files without raising again.
+    """
 
     def __init__(self, metrics_path: str, tensorboard_dir: Optional[str], *, enabled: bool,
                  purge_step: Optional[int] = None, wandb: Optional[WandbRun] = None) -> None:
         """``wandb``: an open wandb run that receives the same scalars and images (closed by :meth:`close`)."""
         self.enabled = enabled
+        self.failed = False
+        self.metrics_path, self.tensorboard_dir = metrics_path, tensorboard_dir
         self._file = None
         self._writer = None
         self._wandb = wandb if enabled else None
         if not enabled:
             return
-        self._file = open(metrics_path, "a", encoding="utf-8")
+        with self._writing(metrics_path):
+            self._file = open(metrics_path, "a", encoding="utf-8")
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            os.makedirs(tensorboard_dir, exist_ok=True)
-            # purge_step hides the events a killed run wrote past the resumed checkpoint.
-            self._writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=purge_step)
+            with self._writing(tensorboard_dir):
+                os.makedirs(tensorboard_dir, exist_ok=True)
+                # purge_step hides the events a killed run wrote past the resumed checkpoint.
+                self._writer = SummaryWriter(log_dir=tensorboard_dir, purge_step=purge_step)
+
+    @contextlib.contextmanager
+    def _writing(self, path: Optional[str], errors: tuple = (OSError,)) -> Iterator[None]:
+        """Turn a failed write of ``path`` into its one-line UserError (callers attempt nothing after a failure:
+        a half-written row must not be followed by more)."""
+        try:
+            yield
+        except errors as err:
+            self.failed = True
+            where = getattr(err, "filename", None) or path
+            reason = getattr(err, "strerror", None) or " ".join(str(err).split()) or type(err).__name__
+            raise UserError(f"cannot write {where}: {reason}") from None
 
     def log(self, step: int, row: Mapping[str, Scalar]) -> None:
         """Append ``{"step": step, **row}`` to metrics.jsonl and every finite number to TensorBoard and wandb."""
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
         record = {"step": int(step), **{k: _json_number(v) for k, v in row.items() if k != "step"}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        with self._writing(self.metrics_path):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
         if self._writer is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._writer.add_scalar(key.replace(".", "/"), value, global_step=step)
+            with self._writing(self.tensorboard_dir):
+                for key, value in row.items():
+                    if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                        self._writer.add_scalar(key.replace(".", "/"), value, global_step=step)
         if self._wandb is not None:
-            self._wandb.log(step, row)
+            with self._writing(self._wandb.files, WANDB_ERRORS):
+                self._wandb.log(step, row)
 
     def log_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         """Log finite ``scalars`` to TensorBoard and wandb only (not metrics.jsonl): the evaluation's ``eval/...``."""
-        if not self.enabled:
+        if not self.enabled or self.failed:
             return
         finite = {k: float(v) for k, v in scalars.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         if self._writer is not None:
-            for key, value in finite.items():
-                self._writer.add_scalar(key, value, global_step=step)
-            self._writer.flush()
+            with self._writing(self.tensorboard_dir):
+                for key, value in finite.items():
+                    self._writer.add_scalar(key, value, global_step=step)
+                self._writer.flush()
         if self._wandb is not None:
-            self._wandb.log(step, finite)
+            with self._writing(self._wandb.files, WANDB_ERRORS):
+                self._wandb.log(step, finite)
 
     def add_image(self, tag: str, image_hwc_uint8: Any, step: int) -> None:
         """Log an (H, W, 3) uint8 image to TensorBoard and wandb."""
+        if self.failed:
+            return
         if self._writer is not None:
-            self._writer.add_image(tag, image_hwc_uint8, global_step=step, dataformats="HWC")
+            with self._writing(self.tensorboard_dir):
+                self._writer.add_image(tag, image_hwc_uint8, global_step=step, dataformats="HWC")
         if self._wandb is not None:
-            self._wandb.log_image(tag, image_hwc_uint8, step)
+            with self._writing(self._wandb.files, WANDB_ERRORS):
+                self._wandb.log_image(tag, image_hwc_uint8, step)
 
     def add_video(self, tag: str, path: str, step: int, fps: int) -> None:
         """Log the mp4 file at ``path`` to wandb (TensorBoard shows the PNG grid of first frames instead)."""
-        if self._wandb is not None:
-            self._wandb.log_video(tag, path, step, fps)
+        if self._wandb is not None and not self.failed:
+            with self._writing(self._wandb.files, WANDB_ERRORS):
+                self._wandb.log_video(tag, path, step, fps)
 
     def close(self) -> None:
-        """Flush and close the files."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._wandb is not None:
-            self._wandb.close()
-            self._wandb = None
+        """Flush and close the files; a failure to flush is a UserError naming the file, unless an earlier
+        write failed already (that one was reported: the files are then released quietly)."""
+        file, writer, wandb = self._file, self._writer, self._wandb
+        self._file = self._writer = self._wandb = None
+        for target, path, errors in ((file, self.metrics_path, (OSError,)), (writer, self.tensorboard_dir, (OSError,)),
+                                     (wandb, wandb.files if wandb is not None else None, WANDB_ERRORS)):
+            if target is None:
+                continue
+            if self.failed:
+                with contextlib.suppress(Exception):
+                    target.close()
+                continue
+            with self._writing(path, errors):
+                target.close()
 
 
 def is_terminal(stream: Any) -> bool:

@@ -7,6 +7,7 @@ temporary file and a rename, so a killed run never leaves a truncated PNG.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import textwrap
@@ -16,6 +17,8 @@ from typing import Sequence
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
+
+from leangrpo_mcore.errors import UserError
 
 CAPTION_LINES = 3
 _LINE_HEIGHT = 12
@@ -113,10 +116,16 @@ def make_grid(images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[fl
 
 def save_grid(path: str, images: torch.Tensor, prompts: Sequence[str], rewards: Sequence[float], *,
               columns: int = 4) -> Image.Image:
-    """Write :func:`make_grid` to ``path`` (PNG) atomically; returns the image."""
+    """Write :func:`make_grid` to ``path`` (PNG) atomically; returns the image. A failed write (a full disk, a
+    missing permission) is a UserError naming ``path`` and leaves no temporary file."""
     grid = make_grid(images, prompts, rewards, columns=columns)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}.png"
-    grid.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        grid.save(tmp, format="PNG")
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise UserError(f"cannot write {path}: {err.strerror or err}") from None
     return grid

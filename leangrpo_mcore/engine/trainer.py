@@ -332,9 +332,12 @@ class Trainer:
         first_error(prepare, self.run_dir, self.config_yaml, resume_step=self.state.step or None)
         enabled = dist_ctx.is_main
         wandb = open_wandb(config, self.run_dir.root, resumed=self.resume_path is not None, enabled=enabled)
-        self.metrics = MetricsLogger(self.run_dir.metrics_path,
-                                     self.run_dir.tensorboard_dir if config.logging.tensorboard else None,
-                                     enabled=enabled, purge_step=self.state.step + 1, wandb=wandb)
+        self.io_failure: Optional[str] = None
+        with self._recording():
+            self.metrics = MetricsLogger(self.run_dir.metrics_path,
+                                         self.run_dir.tensorboard_dir if config.logging.tensorboard else None,
+                                         enabled=enabled, purge_step=self.state.step + 1, wandb=wandb)
+        raise_if_any(self.io_failure)
         self.progress = ProgressBar(config.train.max_steps, self.state.step,
                                     enabled=enabled and config.logging.progress_bar)
         self.engine.progress = self.progress.rollout_hook
@@ -447,10 +450,13 @@ class Trainer:
         skipped = self.guard.skipped > skipped_before
         self._after_update(step, skipped)
         row = self._row(result, elapsed, skipped, lr)
-        self.metrics.log(step, row)
+        with self._recording():
+            self.metrics.log(step, row)
         self.progress.update(step, row)
         if self.bridge.capture:
             self._write_samples(step)
+        self._stop_on_io_failure(step, save_due=self._save_due(step))
+        self._poll_save()
         self._stop_if_diverged(step)
 
     def _after_update(self, step: int, skipped: bool) -> None:
@@ -496,33 +502,37 @@ class Trainer:
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, local)
-        if not self.dist.is_main:
+        if not self.dist.is_main or self.io_failure is not None:
             return
         items = sorted((item for part in gathered for item in part), key=_sample_order)[:SAMPLE_GRID_MAX]
         if not items:
             return
         prompts, rewards = [it[1] for it in items], [it[2] for it in items]
         images = torch.stack([torch.from_numpy(it[0]).permute(2, 0, 1) for it in items]).float() / 255.0
-        grid = save_grid(self.run_dir.sample_path(step), images, prompts, rewards)
-        self.metrics.add_image("samples", np.asarray(grid), step)
-        if all(it[4] is not None for it in items):
-            path, fps = self.run_dir.video_path(step), self.config.logging.video_fps
-            write_video_grid(path, np.stack([it[4] for it in items]), prompts, rewards, fps=fps)
-            self.metrics.add_video("samples_video", path, step, fps)
+        with self._recording():
+            grid = save_grid(self.run_dir.sample_path(step), images, prompts, rewards)
+            self.metrics.add_image("samples", np.asarray(grid), step)
+            if all(it[4] is not None for it in items):
+                path, fps = self.run_dir.video_path(step), self.config.logging.video_fps
+                write_video_grid(path, np.stack([it[4] for it in items]), prompts, rewards, fps=fps)
+                self.metrics.add_video("samples_video", path, step, fps)
 
     def _evaluate(self, step: int) -> None:
         """Evaluate the current weights: ``eval.jsonl``, ``eval/`` scalars and the eval grid (first rank)."""
         with user_errors():
             result = self.evaluator.evaluate(step)
-        if result is None:
-            return
-        append_jsonl(self.run_dir.eval_path, result.to_json())
-        self.metrics.log_scalars(step, result.scalars())
-        self.log.info("eval at step %d: %s (%d prompts x %d, %.1f s)", step,
-                      ", ".join(f"{name} {stats['mean']:.4f}" for name, stats in result.rewards.items()),
-                      result.num_prompts, result.samples_per_prompt, result.time_s)
-        if result.samples:
-            write_eval_grid(self.run_dir, step, result.samples, self.metrics, fps=self.config.logging.video_fps)
+        if result is not None:  # the first rank's: it writes
+            with self._recording():
+                append_jsonl(self.run_dir.eval_path, result.to_json())
+                self.metrics.log_scalars(step, result.scalars())
+            self.log.info("eval at step %d: %s (%d prompts x %d, %.1f s)", step,
+                          ", ".join(f"{name} {stats['mean']:.4f}" for name, stats in result.rewards.items()),
+                          result.num_prompts, result.samples_per_prompt, result.time_s)
+            if result.samples and self.io_failure is None:
+                with self._recording():
+                    write_eval_grid(self.run_dir, step, result.samples, self.metrics,
+                                    fps=self.config.logging.video_fps)
+        self._stop_on_io_failure(step, save_due=False)  # the step's checkpoint was written before the evaluation
 
     def _stop_if_diverged(self, step: int) -> None:
         if self.resumed_step is not None and step == self.resumed_step + 1 and self.state.nonfinite_streak:
@@ -534,24 +544,71 @@ class Trainer:
                                   f"non-finite loss or gradient (train.max_nonfinite_skips="
                                   f"{self.config.train.max_nonfinite_skips}); lower optim.lr or check the reward")
 
-    def _save(self, step: int) -> None:
+    @contextlib.contextmanager
+    def _recording(self) -> Iterator[None]:
+        """Keep the first failed write of the run directory's files (a UserError: metrics, samples, TensorBoard,
+        wandb, eval.jsonl) for :meth:`_stop_on_io_failure`: only rank 0 writes them, and every rank must stop."""
+        try:
+            yield
+        except UserError as err:
+            self.io_failure = self.io_failure or str(err)
+
+    def _stop_on_io_failure(self, step: int, *, save_due: bool) -> None:
+        """Collective: after a failed write on rank 0, stop every rank with its one line. The step's training is
+        done: its checkpoint, when ``save_due``, is written first (synchronously), and a background write is
+        waited for; the line says how that went."""
+        try:
+            raise_if_any(self.io_failure)
+            return
+        except UserError as err:
+            failure = str(err)
+        try:
+            if save_due:
+                self._save(step, sync=True)
+                failure += f"; the checkpoint of step {step} was saved"
+            else:
+                self._finish_save()
+        except UserError as err:
+            failure += f"; the checkpoint was not saved either ({err})"
+        raise UserError(failure)
+
+    def _save(self, step: int, sync: bool = False) -> None:
+        """Write the checkpoint of ``step``: published before this returns, or with ``checkpoint.async_save``
+        (unless ``sync``) by a background thread as soon as its files are written."""
         self._finish_save()
         p = self.parts
         record = {**self._layout_record(), "sampler": self.data.sampler.state_dict(),
                   "nonfinite_streak": self.state.nonfinite_streak}
+        background = self.config.checkpoint.async_save and not sync
         self.pending = checkpoint.save_checkpoint(self.run_dir, step, model=p.policy, optimizer=p.optimizer,
                                                   lr_scheduler=p.lr_scheduler, ema=p.ema, layout=p.tp_layout,
                                                   state=record, config_yaml=self.config_yaml,
-                                                  async_save=self.config.checkpoint.async_save)
-        if not self.config.checkpoint.async_save:
+                                                  async_save=background)
+        if not background:
             self._finish_save()
 
-    def _finish_save(self) -> None:
-        """Publish the checkpoint being written (waits for a background write), then prune."""
-        pending, self.pending = self.pending, None
-        if pending is None:
+    def _poll_save(self) -> None:
+        """Collective: report a background write once it is done on every rank (a failed one stops the run with
+        its one line at the first step after it failed); nothing while it runs."""
+        pending = self.pending
+        if pending is None or pending.future is None:
             return
-        path = pending.finish()
+        try:
+            path = pending.poll()
+        except UserError:
+            self.pending = None
+            raise
+        if path is not None:
+            self.pending = None
+            self._published(path)
+
+    def _finish_save(self) -> None:
+        """Wait for the checkpoint being written (publishing a synchronous one), then prune."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._published(pending.finish())
+
+    def _published(self, path: str) -> None:
         if self.dist.is_main:
             for gone in checkpoint.prune(self.run_dir, self.config.checkpoint.keep_last, newest=path):
                 self.log.info("removed old checkpoint %s", gone)

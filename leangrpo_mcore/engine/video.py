@@ -9,6 +9,7 @@ leaves a truncated video.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import ModuleType
 from typing import Sequence
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from leangrpo_mcore.engine.samples import GridLayout, video_to_uint8
-from leangrpo_mcore.errors import require_extra
+from leangrpo_mcore.errors import UserError, require_extra
 
 CODEC = "libx264"
 
@@ -49,22 +50,33 @@ def write_video_grid(path: str, videos: np.ndarray, prompts: Sequence[str], rewa
                      fps: int = 8, columns: int = 4) -> np.ndarray:
     """Write the grid of ``videos`` (B, F, H, W, 3) uint8 to ``path`` (H.264 mp4) atomically; returns its frames.
 
-    A missing imageio or imageio-ffmpeg is a one-line UserError naming the ``video`` extra.
+    A missing imageio or imageio-ffmpeg is a one-line UserError naming the ``video`` extra; a failed write is
+    one naming ``path`` and leaves no temporary file.
     """
     imageio = require_video_extra()
     if fps < 1:
         raise ValueError(f"video fps must be >= 1, got {fps}")
     frames = video_grid_frames(videos, prompts, rewards, columns=columns)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}.mp4"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         # macro_block_size=1: the frames are already even-sized; imageio would otherwise rescale them to 16k.
         imageio.imwrite(tmp, frames, plugin="FFMPEG", fps=fps, codec=CODEC, macro_block_size=1)
         os.replace(tmp, path)
+    except OSError as err:  # ffmpeg's broken pipe on a full disk is one too
+        raise UserError(f"cannot write {path}: {_reason(err)}") from None
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
     return frames
+
+
+def _reason(err: OSError) -> str:
+    """The OS's reason, or the first line of imageio-ffmpeg's message (which appends ffmpeg's command line)."""
+    if err.strerror:
+        return err.strerror
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def save_video_grid(path: str, videos: torch.Tensor, prompts: Sequence[str], rewards: Sequence[float], *,

@@ -32,11 +32,15 @@ def run_id_path(run_root: str) -> str:
 
 
 def resolve_run_id(run_root: str, *, resumed: bool) -> str:
-    """The id stored in the run directory when ``resumed`` (and there is one), else a new one; stored either way."""
+    """The id stored in the run directory when ``resumed`` (and there is one), else a new one; stored either way
+    (a failed read or write is a UserError naming the file)."""
     path = run_id_path(run_root)
     if resumed and os.path.isfile(path):
-        with open(path, encoding="utf-8") as fh:
-            run_id = fh.read().strip()
+        try:
+            with open(path, encoding="utf-8") as fh:
+                run_id = fh.read().strip()
+        except OSError as err:
+            raise UserError(f"cannot read {path}: {err.strerror}") from None
         if run_id and all(c in _ID_ALPHABET + "-_" for c in run_id):
             return run_id
     run_id = "".join(secrets.choice(_ID_ALPHABET) for _ in range(8))
@@ -50,6 +54,8 @@ class WandbRun:
     def __init__(self, wandb: Any, run: Any) -> None:
         self._wandb = wandb
         self._run = run
+        self.files = os.path.dirname(str(run.dir))
+        """Where the run's files are (what a failed write names)."""
 
     @property
     def id(self) -> str:
@@ -90,8 +96,9 @@ def _open(wandb: Any, config: Config, run_root: str, resumed: bool) -> WandbRun:
     except Exception as exc:  # noqa: BLE001 -- login, network and permission failures of wandb are one line
         text = " ".join(str(exc).split())
         raise UserError(f"logging.wandb: wandb.init failed: {type(exc).__name__}: {text}") from None
-    get_logger().info("wandb run %s (%s), files in %s", run.id, section.mode, os.path.dirname(run.dir))
-    return WandbRun(wandb, run)
+    opened = WandbRun(wandb, run)
+    get_logger().info("wandb run %s (%s), files in %s", run.id, section.mode, opened.files)
+    return opened
 
 
 def open_wandb(config: Config, run_root: str, *, resumed: bool, enabled: bool) -> Optional[WandbRun]:

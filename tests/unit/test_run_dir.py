@@ -75,3 +75,53 @@ def test_sample_grid_layout_and_first_frames(tmp_path):
     assert torch.equal(samples.first_frames(video), video[:, :, 0])
     with pytest.raises(ValueError, match="2 images but 1 prompts"):
         samples.make_grid(torch.rand(2, 3, 8, 8), ["a"], [1.0])
+
+
+def _jsonl(rows) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+def test_a_malformed_metrics_line_is_kept_and_the_rows_after_it_survive(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    head = _jsonl([{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}])
+    bad = '{"step": 3, "loss": 0.1\x00\x00garbage\n'  # a damaged row in the middle of the history
+    tail = _jsonl([{"step": s, "loss": s / 8} for s in (4, 5, 6)])
+    with open(path, "w") as fh:
+        fh.write(head + bad + tail + '{"step": 7, "lo')  # and a torn last line
+    warnings = []
+    dropped = run_dir.truncate_metrics(path, 5, warnings.append)
+    # Byte for byte what was there up to the row of step 5: the damaged line stays, nothing is rebuilt.
+    assert open(path).read() == head + bad + _jsonl([{"step": 4, "loss": 0.5}, {"step": 5, "loss": 0.625}])
+    assert dropped == 1
+    assert warnings == [f"{path}:3: not a JSON object; the line is kept as it is and skipped"]
+    assert [row["step"] for row in run_dir.read_metrics(path)] == [1, 2, 4, 5]
+    # A cut before the damaged line drops it with the rows of the steps to be redone, silently.
+    warnings.clear()
+    assert run_dir.truncate_metrics(path, 1, warnings.append) == 3
+    assert open(path).read() == _jsonl([{"step": 1, "loss": 0.5}]) and warnings == []
+
+
+def test_a_last_row_without_its_newline_is_kept_and_terminated(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    with open(path, "w") as fh:
+        fh.write('{"step": 1}\n{"step": 2}')
+    assert run_dir.truncate_metrics(path, 2) == 0
+    assert open(path).read() == '{"step": 1}\n{"step": 2}\n'
+    run_dir.append_jsonl(path, {"step": 3})
+    assert [row["step"] for row in run_dir.read_metrics(path)] == [1, 2, 3]
+
+
+def test_failed_atomic_write_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    real_replace = os.replace
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device", src)
+
+    monkeypatch.setattr(os, "replace", full)
+    target = str(tmp_path / "config.yaml")
+    with pytest.raises(UserError, match=rf"^cannot write {target}: No space left on device$"):
+        run_dir.write_text_atomic(target, "x: 1\n")
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert os.listdir(tmp_path) == []
