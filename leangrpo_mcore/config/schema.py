@@ -29,8 +29,9 @@ class SamplerConfig:
     deterministic ODE rollout is evaluation's (eval.noise_level: 0)."""
     sigma_schedule: str = option("flux", choices=SIGMA_SCHEDULES)
     """Sigma schedule: flux (dynamic shift from the token count), sd3 / wan (static shift), dance (time shift)."""
-    shift: float = option(3.0, gt=0.0)
-    """Static shift of the sd3, wan and dance schedules (unused by flux, whose shift depends on tokens)."""
+    shift: Optional[float] = option(None, gt=0.0)
+    """Static shift of the sd3, wan and dance schedules (unused by flux, whose shift depends on tokens); null = the
+    shift of the pipeline's scheduler/scheduler_config.json when model.path is a diffusers pipeline root, else 3.0."""
     guidance_scale: float = option(3.5, ge=0.0)
     """Guidance-embedding value given to a guidance-distilled policy (FLUX.1-dev: 3.5)."""
     cfg_scale: float = option(1.0, ge=1.0)
