@@ -58,6 +58,7 @@ setup(
         "rewards": ["transformers"],  # PickScore, CLIPScore, the aesthetic predictor and HPSv2.1 (CLIPModel)
         "video": ["imageio>=2.30", "imageio-ffmpeg>=0.5"],  # mp4 samples (the wheel ships ffmpeg)
         "wandb": ["wandb>=0.31,<1"],
+        "lora": ["peft>=0.17"],  # diffusers loads the unmerged adapters of `leangrpo-convert --keep-lora` through peft
         "test": ["pytest>=7", "pytest-timeout", "transformers", "accelerate", "imageio>=2.30", "imageio-ffmpeg>=0.5"],
     },
     entry_points={

@@ -5,9 +5,10 @@
 
 The diffusers side is a transformer directory (``config.json`` + ``*.safetensors``, sharded index
 supported). Our format records the model config and FULL tensors, and loads at any TP size. On export
-LoRA adapters are merged into the base weights, unless ``--keep-lora``: then the base weights stay
-unmerged and the adapters go to ``pytorch_lora_weights.safetensors`` (PEFT key names with the
-``transformer.`` prefix; the ``alpha / rank`` scale is folded into ``lora_B``).
+LoRA adapters are merged into the base weights (in float32, rounded once to the export dtype), unless
+``--keep-lora``: then the base weights stay unmerged and the adapters go to ``pytorch_lora_weights.safetensors``
+(PEFT key names with the ``transformer.`` prefix; the ``alpha / rank`` scale is folded into ``lora_B``), which
+diffusers loads through ``peft``: ``pip install 'leangrpo_mcore[lora]'``.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help=f"keep adapters unmerged, written to {LORA_FILE}")
     to_diffusers.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")
     to_diffusers.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                              help="dtype of the exported weights (default: as stored, e.g. the fp32 master "
-                                   "weights of a training checkpoint)")
+                              help="dtype of the exported weights (default: the master weights' dtype, e.g. "
+                                   "float32: for merged LoRA adapters the adapters' dtype, else as stored)")
     return add_version_flag(parser)
 
 
@@ -128,21 +129,35 @@ def adapters_in_diffusers_terms(family, config, adapters: dict) -> dict[str, tup
     return out
 
 
-def merge_adapters(base: dict[str, torch.Tensor], adapters: dict, scaling: float) -> dict[str, torch.Tensor]:
-    """Base tensors with ``W + scaling * B @ A`` folded in (fp32 math, the same formula as merge_lora; a
-    convolution kernel takes the product in its own shape)."""
+def merge_adapters(base: dict[str, torch.Tensor], adapters: dict, scaling: float,
+                   dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+    """Base tensors with ``W + scaling * B @ A`` folded in, computed in float32 (the same formula as merge_lora; a
+    convolution kernel takes the product in its own shape) and rounded once, to ``dtype``: by default the
+    adapters' dtype, i.e. the master weights' (a bf16 frozen base would otherwise round away much of the
+    trained update)."""
     merged = dict(base)
     for host, (a, b) in adapters.items():
         weight = base[f"{host}.weight"]
         delta = ((b.float() @ a.float()) * scaling).reshape(weight.shape)
-        merged[f"{host}.weight"] = (weight.float() + delta).to(weight.dtype)
+        merged[f"{host}.weight"] = (weight.float() + delta).to(dtype or a.dtype)
     return merged
+
+
+def export_dtype(adapters: dict, keep_lora: bool, dtype: Optional[str]) -> Optional[torch.dtype]:
+    """The dtype of the exported weights: ``--dtype``; else, for merged adapters, the master weights' (the
+    adapters', which the optimizer trains; the frozen base may be stored in the compute dtype); else as stored
+    (None)."""
+    if dtype is not None:
+        return DTYPES[dtype]
+    if adapters and not keep_lora:
+        return next(iter(adapters.values()))[0].dtype
+    return None
 
 
 def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite: bool = False,
                        dtype: Optional[str] = None) -> Path:
     """Export our checkpoint at ``src`` (a policy directory or a training checkpoint ``step_<N>``) as a diffusers
-    transformer directory at ``dst``, in ``dtype`` (default: the stored dtype). A training checkpoint is read one
+    transformer directory at ``dst``, in ``dtype`` (default: the master weights' dtype, see :func:`export_dtype`). A training checkpoint is read one
     tensor at a time from its sharded files, without its optimizer state and without a launch."""
     from leangrpo_mcore.models.common import checkpoint as ckpt
     from leangrpo_mcore.models.registry import get_family
@@ -162,10 +177,11 @@ def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite
     missing = sorted(host for host in adapters if f"{host}.weight" not in converted)
     if missing:
         raise UserError(f"cannot name the adapter of {missing[0]} in diffusers terms")
+    target = export_dtype(adapters, keep_lora, dtype)
     if adapters and not keep_lora:
-        converted = merge_adapters(converted, adapters, scaling)
-    if dtype is not None:
-        converted = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in converted.items()}
+        converted = merge_adapters(converted, adapters, scaling, dtype=target)
+    if target is not None:
+        converted = {k: v.to(target) if v.is_floating_point() else v for k, v in converted.items()}
     folder = ckpt.write_diffusers_dir(dst, class_name=family.diffusers_class_name,
                                       config=config.to_diffusers_config(), tensors=converted)
     if adapters and keep_lora:

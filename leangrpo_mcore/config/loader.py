@@ -53,7 +53,23 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
 
 def build_config(data: dict, sources: dict[str, str] | None = None) -> Config:
     """Turn a nested mapping into a checked :class:`Config` (``sources`` maps dotted keys to their file)."""
-    return _build(Config, data, prefix="", sources=sources or {}, default_source="<dict>")
+    config = _build(Config, data, prefix="", sources=sources or {}, default_source="<dict>")
+    _check_combinations(config, sources or {})
+    return config
+
+
+NOISELESS_SDE_KINDS = ("wan",)
+"""SDE kinds whose step sets its own noise and ignores ``sampler.noise_level``."""
+
+
+def _check_combinations(config: Config, sources: dict) -> None:
+    """ConfigError for values that are each in range but cannot work together."""
+    s = config.sampler
+    if s.noise_level == 0 and s.sde_kind not in NOISELESS_SDE_KINDS:
+        source = sources.get("sampler.noise_level", sources.get("sampler", "<dict>"))
+        raise ConfigError(f"{source}: 'sampler.noise_level' = 0 leaves sampler.sde_kind={s.sde_kind} no noise, and "
+                          f"GRPO needs stochastic rollouts; set it > 0 (the deterministic ODE rollout is "
+                          f"evaluation's: eval.noise_level: 0)")
 
 
 def build_section(cls: type, data: Any, prefix: str) -> Any:

@@ -24,11 +24,14 @@ class SamplerConfig:
     num_steps: int = option(6, ge=1)
     """T, the number of denoising steps of a rollout."""
     noise_level: float = option(0.9, ge=0.0)
-    """SDE noise: FlowGRPO's noise level a (0.7 SD3, 0.9 FLUX), or DanceGRPO's eta (0.3)."""
+    """SDE noise: FlowGRPO's noise level a (0.7 SD3, 0.9 FLUX), or DanceGRPO's eta (0.3). Must be > 0 for every
+    kind but wan (whose step sets its own noise): GRPO's log-probabilities need a stochastic rollout. The
+    deterministic ODE rollout is evaluation's (eval.noise_level: 0)."""
     sigma_schedule: str = option("flux", choices=SIGMA_SCHEDULES)
     """Sigma schedule: flux (dynamic shift from the token count), sd3 / wan (static shift), dance (time shift)."""
-    shift: float = option(3.0, gt=0.0)
-    """Static shift of the sd3, wan and dance schedules (unused by flux, whose shift depends on tokens)."""
+    shift: Optional[float] = option(None, gt=0.0)
+    """Static shift of the sd3, wan and dance schedules (unused by flux, whose shift depends on tokens); null = the
+    shift of the pipeline's scheduler/scheduler_config.json when model.path is a diffusers pipeline root, else 3.0."""
     guidance_scale: float = option(3.5, ge=0.0)
     """Guidance-embedding value given to a guidance-distilled policy (FLUX.1-dev: 3.5)."""
     cfg_scale: float = option(1.0, ge=1.0)
@@ -222,8 +225,8 @@ class OptimConfig:
 
     name: str = option("adamw", choices=("adamw", "sgd"))
     """Optimizer; NVIDIA apex's fused AdamW is used when installed."""
-    lr: float = option(1e-4, gt=0.0)
-    """Peak learning rate."""
+    lr: float = option(1e-4, gt=0.0, le=1e3)
+    """Peak learning rate (at most 1e3: a larger one overflows AdamW's float32 update within a step)."""
     betas: list[float] = option(factory=lambda: [0.9, 0.999])
     """AdamW betas."""
     eps: float = option(1e-8, gt=0.0)
@@ -254,6 +257,10 @@ class TrainConfig:
     """EMA of the trainable parameters (0 disables it)."""
     max_nonfinite_skips: int = option(3, ge=0)
     """Consecutive updates skipped for a non-finite loss or gradient before the run stops."""
+    allow_config_change: bool = False
+    """Resume although the config changes what a training step computes (group size, steps, sampler, schedule,
+    prompts per step, reward, prompt data, ...); the changes are logged one per line. Off, such a resume is
+    refused (docs/checkpoints.md, "Changing the config on resume")."""
     overwrite: bool = False
     """A fresh run into an output_dir that holds an earlier run's checkpoints or metrics deletes them first
     (otherwise such a directory is refused)."""

@@ -24,7 +24,7 @@ from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
 from leangrpo_mcore.engine.checkpoint import TPLayout, capture_tp_layout
 from leangrpo_mcore.engine.launch import DistContext
-from leangrpo_mcore.engine.model_source import ModelSource, lora_section, resolve_model_source
+from leangrpo_mcore.engine.model_source import ModelSource, lora_section, resolve_model_source, sampler_shift
 from leangrpo_mcore.engine.optim import build_lr_scheduler, build_optimizer, trainable_parameters
 from leangrpo_mcore.engine.step import RewardFn, StepEngine, StepPlan
 from leangrpo_mcore.errors import UserError
@@ -129,8 +129,12 @@ def policy_hyper(config: Config) -> tuple[ModelFamily, dict]:
 
 def check_layout_early(config: Config, pctx: ParallelContext) -> None:
     """The prompt-group layout must split evenly over the data-parallel ranks (checked before any heavy work)."""
-    g = config.grpo
-    check_layout(config.parallel.layout, pctx.dp_size, g.group_size, g.prompts_per_step)
+    g, layout = config.grpo, config.parallel.layout
+    try:
+        check_layout(layout, pctx.dp_size, g.group_size, g.prompts_per_step)
+    except ValueError as err:
+        raise UserError(f"grpo.group_size={g.group_size}, grpo.prompts_per_step={g.prompts_per_step} and "
+                        f"parallel.layout={layout} do not fit {pctx.dp_size} data-parallel ranks: {err}") from None
 
 
 def precision_of(config: Config, pctx: ParallelContext) -> RunPrecision:
@@ -291,7 +295,7 @@ def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> to
     s = config.sampler
     if s.sigma_schedule == "flux":
         return get_sigmas("flux", num_steps, image_seq_len=shape[0])
-    return get_sigmas(s.sigma_schedule, num_steps, shift=s.shift)
+    return get_sigmas(s.sigma_schedule, num_steps, shift=sampler_shift(config))
 
 
 def build_velocity(config: Config, parts: PolicyParts, pctx: ParallelContext, *, cfg_scale: float):

@@ -4,12 +4,16 @@
 one of our checkpoints or a diffusers directory, its family, hyper-parameters and stored adapters, and the lazy
 readers of its tensors. Everything downstream (the layout record of checkpoints, the policy build and its sharded
 load, the evaluation's checkpoint check) receives this one :class:`ModelSource` instead of re-reading the directory.
-Without ``model.path`` the architecture is the family's preset with ``model.arch`` overrides.
+Without ``model.path`` the architecture is the family's preset with ``model.arch`` overrides. A diffusers
+pipeline root (a ``model_index.json`` beside ``transformer/``) stands for its ``transformer/`` folder, as the
+text-encoder and VAE keys accept it, and its ``scheduler/`` config gives the sampler's shift where
+``sampler.shift`` is not set (:func:`sampler_shift`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,6 +29,8 @@ _PRESET_SOURCES = {"flux-dev": "FLUX.1-dev", "flux-schnell": "FLUX.1-schnell", "
                    "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-ti2v-5b": "Wan2.2-TI2V-5B"}
 """The released model of each full-size preset, named in the error of :func:`check_random_init`."""
 
+DEFAULT_SHIFT = 3.0
+"""The static shift of the sd3, wan and dance schedules when neither ``sampler.shift`` nor a pipeline sets one."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,47 @@ def check_random_init(config: Config) -> None:
                         f"model.random_init: true on purpose)")
 
 
+def is_pipeline_root(path: str) -> bool:
+    """Whether ``path`` is a diffusers pipeline root (``model_index.json`` and a ``transformer/`` folder)."""
+    return (os.path.isfile(os.path.join(path, "model_index.json"))
+            and os.path.isdir(os.path.join(path, "transformer")))
+
+
+def policy_dir(path: str) -> str:
+    """The directory holding the policy's weights: ``path/transformer`` for a pipeline root, else ``path``."""
+    return os.path.join(path, "transformer") if is_pipeline_root(path) else path
+
+
+def pipeline_shift(path: Optional[str]) -> Optional[float]:
+    """The shift in a pipeline root's ``scheduler/scheduler_config.json`` (``shift``, or ``flow_shift`` as Wan's
+    UniPC scheduler names it); None when ``path`` is no pipeline root or its scheduler sets none. UserError
+    naming the file when it is unreadable."""
+    if path is None or not is_pipeline_root(path):
+        return None
+    file = os.path.join(path, "scheduler", "scheduler_config.json")
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as fh:
+            scheduler = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model.path: cannot read {file}: {err}") from None
+    for key in ("shift", "flow_shift"):
+        value = scheduler.get(key) if isinstance(scheduler, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return float(value)
+    return None
+
+
+def sampler_shift(config: Config) -> float:
+    """The static shift of the sampler's schedule: ``sampler.shift``, else the shift of the pipeline that
+    ``model.path`` names, else :data:`DEFAULT_SHIFT`."""
+    if config.sampler.shift is not None:
+        return config.sampler.shift
+    shift = pipeline_shift(config.model.path)
+    return DEFAULT_SHIFT if shift is None else shift
+
+
 def lora_section(section: LoRASection, family: ModelFamily) -> LoRAConfig:
     """The adapters of a ``model.lora`` section (the family's default targets unless listed)."""
     targets = tuple(section.targets) if section.targets is not None else tuple(family.lora_targets)
@@ -75,7 +122,8 @@ def resolve_model_source(config: Config, *, check: bool = True) -> ModelSource:
     if m.path is not None:
         if not os.path.isdir(m.path):
             raise UserError(f"model.path: no such directory: {m.path}")
-        files = read_policy_files(m.path)
+        path = policy_dir(m.path)
+        files = read_policy_files(path)
         if files.family.name != m.family:
             raise UserError(f"model.path {m.path} holds a {files.family.name} policy, but model.family is {m.family}")
         family, model_config = files.family, files.config
@@ -84,7 +132,7 @@ def resolve_model_source(config: Config, *, check: bool = True) -> ModelSource:
             model_config = dataclasses.replace(model_config, activation_checkpointing=True)
         if m.fp8 is not None:  # FP8 is a run setting, not part of a checkpoint: apply it however the policy is built
             model_config = fp8_config(model_config, m.fp8)
-        kind = "checkpoint" if ckpt.is_policy_checkpoint(m.path) else "diffusers"
+        kind = "checkpoint" if ckpt.is_policy_checkpoint(path) else "diffusers"
     else:
         if m.preset is None:
             raise UserError("model: set model.path (a checkpoint) or model.preset (random init)")

@@ -14,7 +14,7 @@ Robustness rules:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import json
 import logging
 import os
@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from leangrpo_mcore.config import Config, config_to_yaml
+from leangrpo_mcore.config.drift import PROMPTS_CONTENT, config_changes, record_launch_config, refusal
 from leangrpo_mcore.data.vae import DecodedImages
 from leangrpo_mcore.engine import build, checkpoint
 from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_error, get_logger, init_distributed,
@@ -330,6 +331,7 @@ class Trainer:
             self._resume(self.resume_path, same_layout)
         self.config_yaml = config_to_yaml(config)
         first_error(prepare, self.run_dir, self.config_yaml, resume_step=self.state.step or None)
+        first_error(record_launch_config, self.run_dir.root, self.state.step, self.config_yaml)
         enabled = dist_ctx.is_main
         wandb = open_wandb(config, self.run_dir.root, resumed=self.resume_path is not None, enabled=enabled)
         self.io_failure: Optional[str] = None
@@ -388,25 +390,43 @@ class Trainer:
 
     def _resume(self, path: str, same: bool) -> None:
         p = self.parts
-        self._log_changed_settings(path)
+        data_changed = self._log_changed_settings(path)
         state = checkpoint.load_checkpoint(path, model=p.policy, optimizer=p.optimizer, lr_scheduler=p.lr_scheduler,
                                            ema=p.ema, layout=p.tp_layout, same_layout=same, warn=self.log.warning)
-        self.data.sampler.load_state_dict(state["sampler"])
+        if data_changed:
+            # Another dataset (allowed by train.allow_config_change): the old position means nothing in it.
+            self.log.info("resume: the prompt order restarts at epoch 0 of the changed prompt data")
+        else:
+            self.data.sampler.load_state_dict(state["sampler"])
         self.state.step = int(state["step"])
         self.state.nonfinite_streak = int(state.get("nonfinite_streak", 0))
         self.resumed_step = self.state.step
         self.log.info("resumed from %s at step %d", path, self.state.step)
 
-    def _log_changed_settings(self, path: str) -> None:
-        """One line per optimizer setting that differs from the checkpoint's run: this run's value applies."""
+    @functools.cached_property
+    def prompts_fingerprint(self) -> str:
+        """The training prompts' :meth:`~leangrpo_mcore.data.prompts.PromptDataset.fingerprint` (kept in each
+        checkpoint, compared on resume)."""
+        return self.data.dataset.fingerprint()
+
+    def _log_changed_settings(self, path: str) -> bool:
+        """Compare every key with the checkpoint's config: one log line per change that keeps the steps as they
+        were (this run's value applies); UserError naming every key that changes what a step computes, unless
+        ``train.allow_config_change``. Returns whether the prompt data changed."""
         saved = checkpoint.saved_config(path)
         if saved is None:
-            return
-        mine = dataclasses.asdict(self.config.optim)
-        for key, value in sorted(mine.items()):
-            before = saved.get("optim", {}).get(key)
-            if before is not None and before != value:
-                self.log.info("resume: optim.%s changed from %r to %r; the new value applies", key, before, value)
+            self.log.warning("resume: %s holds no readable config.yaml; the config is not compared", path)
+            return False
+        changes = config_changes(saved, self.config, saved_fingerprint=checkpoint.read_state(path).get(
+            "prompts_fingerprint"), fingerprint=self.prompts_fingerprint)
+        refused = [c for c in changes if not c.applied]
+        if refused and not self.config.train.allow_config_change:
+            raise UserError(refusal(path, refused))
+        for change in changes:
+            note = ("the new value applies" if change.applied else
+                    "applied (train.allow_config_change=true): steps from here differ from the uninterrupted run")
+            self.log.info("resume: %s changed from %r to %r; %s", change.key, change.before, change.after, note)
+        return any(c.key in (PROMPTS_CONTENT, "data.shuffle", "train.seed") for c in refused)
 
     def run(self) -> LoopState:
         """Train until ``train.max_steps``; returns the final counters."""
@@ -578,7 +598,7 @@ class Trainer:
         self._finish_save()
         p = self.parts
         record = {**self._layout_record(), "sampler": self.data.sampler.state_dict(),
-                  "nonfinite_streak": self.state.nonfinite_streak}
+                  "nonfinite_streak": self.state.nonfinite_streak, "prompts_fingerprint": self.prompts_fingerprint}
         background = self.config.checkpoint.async_save and not sync
         self.pending = checkpoint.save_checkpoint(self.run_dir, step, model=p.policy, optimizer=p.optimizer,
                                                   lr_scheduler=p.lr_scheduler, ema=p.ema, layout=p.tp_layout,

@@ -387,11 +387,14 @@ def family_of_class(class_name: Optional[str]) -> str:
 
 
 def load_arch(model: str) -> ArchSpec:
-    """A built-in model name, a diffusers ``config.json`` / transformer directory, or a leangrpo checkpoint."""
+    """A built-in model name, a diffusers ``config.json`` / transformer directory / pipeline root, or a leangrpo
+    checkpoint."""
     if model in BUILTIN_PRESETS:
         family, config = BUILTIN_PRESETS[model]
         return arch_from_config(family, config, model)
     path = model
+    if os.path.isfile(os.path.join(path, "model_index.json")) and os.path.isdir(os.path.join(path, "transformer")):
+        path = os.path.join(path, "transformer")  # a diffusers pipeline root: its policy
     if os.path.isdir(path):
         ours = os.path.join(path, "leangrpo_model.json")
         if os.path.isfile(ours):

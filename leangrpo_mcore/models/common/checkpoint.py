@@ -110,11 +110,21 @@ def gather_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: Optional[dict] = None) -> None:
-    """Write ``tensors`` (detached, contiguous, CPU copies) to one safetensors file."""
+    """Write ``tensors`` (detached, contiguous, CPU copies) to one safetensors file, with the mode that the
+    process umask gives new files."""
     from safetensors.torch import save_file
 
     data = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     save_file(data, str(path), metadata=metadata)
+    # safetensors creates its file with mode 0600; give it the mode every other file of the process gets.
+    os.chmod(path, 0o666 & ~process_umask())
+
+
+def process_umask() -> int:
+    """The process's file-creation mask (read by setting it and restoring it at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_policy_checkpoint(dst: str | os.PathLike, *, family: str, config: dict, lora: Optional[dict],

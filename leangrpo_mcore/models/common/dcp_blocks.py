@@ -15,6 +15,10 @@ The boxes are views of the rank's own storage: saving reads them, loading writes
 
 Opaque values (a module's serialized extra state, see :mod:`leangrpo_mcore.engine.extra_state`) travel as
 ``bytes`` on save, written as they are, and are read back into a ``bytearray`` of the load state dict.
+
+Trust: DCP's ``dcp/.metadata`` is a Python pickle, unpickled by every load (a resume, ``model.path`` at a
+checkpoint, ``leangrpo-convert``), so a crafted checkpoint can run code, as PyTorch's own documentation warns
+of ``torch.load``-style formats; load only checkpoints from sources you trust.
 """
 
 from __future__ import annotations
@@ -118,7 +122,9 @@ class BlockSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index) if found is None else found
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
-        """``bytes`` are written raw (DCP would pickle them), so that loading them unpickles nothing."""
+        """``bytes`` are written raw (DCP would pickle them), so that reading them back unpickles nothing. DCP's
+        own ``.metadata`` file is still a pickle that every load unpickles: a checkpoint must come from a trusted
+        source (docs/checkpoints.md, "Trust")."""
         if write_item.type == WriteItemType.BYTE_IO and isinstance(object, bytes):
             return io.BytesIO(object)
         return super().transform_object(write_item, object)

@@ -2,13 +2,18 @@
 
 A reward is a callable ``(images (B, 3, H, W) float in [0, 1], prompts: list[str]) -> (B,) float32``.
 ``ValidatedReward`` wraps one so that a reward that raises, or returns a wrong shape or non-finite
-values, stops training with a one-line ``RewardError`` naming it instead of a silent NaN. Its ``submit``
+values, stops training with a one-line ``RewardError`` naming it instead of a silent NaN (a reward calling
+``sys.exit`` included; ``LEANGRPO_TRACEBACK=1`` prints the reward's own traceback on the rank where it failed,
+as the error line that reaches every rank carries no traceback). Its ``submit``
 scores in the background (``reward.async_scoring``): through the reward's own ``submit(images, prompts) ->
 Future`` where it has one (the remote reward), else on a worker thread.
 """
 
 import inspect
+import os
+import sys
 import threading
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
@@ -23,6 +28,17 @@ RewardFn = Callable[[Tensor, List[str]], Tensor]
 
 class RewardError(RuntimeError):
     """A reward function failed or produced an unusable output."""
+
+
+PLUGIN_FAILURES = (Exception, SystemExit)
+"""What a reward's own code may raise and the guard turns into one line (``sys.exit`` in a plugin included:
+it would otherwise end its rank alone, and the others would see only a closed connection)."""
+
+
+def show_traceback(exc: BaseException) -> None:
+    """Print ``exc``'s traceback to stderr when ``LEANGRPO_TRACEBACK=1`` (the one-line error hides it)."""
+    if os.environ.get("LEANGRPO_TRACEBACK") == "1":
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
 
 
 def _one_line(text: str) -> str:
@@ -125,6 +141,7 @@ class ValidatedReward:
     def _error(self, exc: BaseException) -> RewardError:
         if isinstance(exc, RewardError):
             return exc
+        show_traceback(exc)
         error = RewardError(f"reward '{self.name}' raised {type(exc).__name__}: {_one_line(exc)}")
         error.__cause__ = exc
         return error
@@ -158,7 +175,7 @@ class ValidatedReward:
             values = self.fn(flat, flat_prompts, **extra)
         except RewardError:
             raise
-        except Exception as exc:  # noqa: BLE001 -- any failure of user reward code becomes one clear error
+        except PLUGIN_FAILURES as exc:  # any failure of user reward code becomes one clear error
             raise self._error(exc) from exc
         return self._finish(values, flat.shape[0] // k, k)
 
@@ -183,14 +200,14 @@ class ValidatedReward:
         batch = flat.shape[0] // k
         try:
             inner = own(flat, flat_prompts, **self._extra(metadata, batch, k))
-        except Exception as exc:  # noqa: BLE001
+        except PLUGIN_FAILURES as exc:
             outer.set_exception(self._error(exc))
             return outer
 
         def settle(done: Future) -> None:
             try:
                 outer.set_result(self._finish(done.result(), batch, k))
-            except Exception as exc:  # noqa: BLE001
+            except PLUGIN_FAILURES as exc:
                 outer.set_exception(self._error(exc))
 
         inner.add_done_callback(settle)

@@ -21,6 +21,8 @@ from typing import Any, Callable, List
 
 from leangrpo_mcore.errors import UserError
 
+from .base import PLUGIN_FAILURES, show_traceback
+
 ENTRY_POINT_GROUP = "leangrpo_mcore.rewards"
 
 
@@ -41,7 +43,8 @@ def _load_spec(spec: str) -> Any:
         raise UserError(f"reward '{spec}': a plugin reward is named package.module:callable")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- any failure while importing user code is one line
+    except PLUGIN_FAILURES as exc:  # any failure while importing user code is one line
+        show_traceback(exc)
         raise UserError(f"reward '{spec}': cannot import module '{module_name}': {_one_line(exc)}") from None
     obj: Any = module
     for part in attr_path.split("."):
@@ -65,7 +68,8 @@ def _load_entry_point(name: str) -> Any:
         raise UserError(f"reward '{name}': several installed packages declare it ({', '.join(values)})")
     try:
         return found[0].load()
-    except Exception as exc:  # noqa: BLE001 -- a broken installed plugin is one line
+    except PLUGIN_FAILURES as exc:  # a broken installed plugin is one line
+        show_traceback(exc)
         raise UserError(f"reward '{name}': cannot load entry point {values[0]}: {_one_line(exc)}") from None
 
 

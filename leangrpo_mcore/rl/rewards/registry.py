@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from leangrpo_mcore.errors import UserError
 
-from .base import ValidatedReward, parse_frames
+from .base import PLUGIN_FAILURES, ValidatedReward, parse_frames, show_traceback
 from .plugins import entry_point_names, load_plugin
 
 REWARDS: Dict[str, Callable[..., Any]] = {}
@@ -102,9 +102,10 @@ def build_reward(name: str, **options: Any) -> ValidatedReward:
             raise UserError(f"reward '{name}': bad options {sorted(options)}: {exc}") from None
     try:
         fn = obj(**options)
-    except Exception as exc:  # noqa: BLE001 -- a failing plugin constructor is one line
-        if builtin or isinstance(exc, UserError):
+    except PLUGIN_FAILURES as exc:  # a failing plugin constructor is one line
+        if (builtin and not isinstance(exc, SystemExit)) or isinstance(exc, UserError):
             raise
+        show_traceback(exc)
         raise UserError(f"reward '{name}': {obj.__name__}(...) raised {type(exc).__name__}: "
                         f"{' '.join(str(exc).split())}") from None
     if not callable(fn):

@@ -17,7 +17,8 @@ together, so a server that trickles bytes cannot stretch it. A reply larger than
 abandoned as soon as it is known to be (from its Content-Length, or while it streams in). Redirects are refused,
 same-origin ones included: a POST that is redirected is a misconfigured URL, and following it could send the
 images and the token to another host. With ``auth_env`` the request carries ``Authorization: Bearer <token>``,
-the token read from that environment variable (the config names the variable, never the secret).
+the token read from that environment variable (the config names the variable, never the secret); no error
+message shows the token, even when the server echoes the request's headers in its reply.
 ``ca_bundle`` verifies an https server against that CA file instead of the default trust store. Plain http to
 a host other than this machine warns once. Loopback servers are reached directly; others through an http://
 proxy named by the environment (``HTTP_PROXY`` / ``HTTPS_PROXY``) unless ``NO_PROXY`` lists them.
@@ -279,8 +280,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _error_detail(response: httpx.Response, limit: int = 512) -> str:
-    """At most ``limit`` bytes of an error reply, as one short line (its JSON "error" field when it has one)."""
+REDACTED = "[redacted]"
+"""What replaces a secret in a message."""
+
+
+def redact(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every occurrence of each secret replaced by :data:`REDACTED`."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def _error_detail(response: httpx.Response, secrets: Sequence[str] = (), limit: int = 512) -> str:
+    """At most ``limit`` bytes of an error reply, as one short line (its JSON "error" field when it has one), with
+    the ``secrets`` redacted before it is shortened (so that no part of one survives the cut)."""
     data = b""
     with contextlib.suppress(httpx.HTTPError):
         for chunk in response.iter_bytes():
@@ -290,7 +304,7 @@ def _error_detail(response: httpx.Response, limit: int = 512) -> str:
     text = data[:limit].decode("utf-8", "replace")
     with contextlib.suppress(ValueError, AttributeError):
         text = str(json.loads(text).get("error", text))
-    text = " ".join(text.split())[:200]
+    text = " ".join(redact(text, secrets).split())[:200]
     return f": {text}" if text else ""
 
 
@@ -338,12 +352,15 @@ class RemoteReward:
         self.max_in_flight = int(max_in_flight)
         self._sleep = sleep
         headers = {"Content-Type": "application/json", "Accept": "application/json", "Accept-Encoding": "identity"}
+        self._secrets: tuple[str, ...] = ()
+        """What no message may show: the bearer token (a server may echo the request's headers in its error)."""
         if auth_env:
             token = os.environ.get(auth_env, "").strip()
             if not token:
                 raise ValueError(f"reward 'remote': reward.auth_env names the environment variable {auth_env}, "
                                  "which is unset or empty")
             headers["Authorization"] = f"Bearer {token}"
+            self._secrets = (token,)
         loopback = _is_loopback(parsed.hostname)
         if parsed.scheme == "http" and not loopback:
             self._warn_plain_http(parsed, bool(auth_env))
@@ -410,7 +427,7 @@ class RemoteReward:
                     raise RewardError(f"reward server {self.url} redirected the request (HTTP {status} to {target}); "
                                       "redirects are not followed: set reward.url to the final address")
                 if status != 200:
-                    detail = f"HTTP {status} {response.reason_phrase}{_error_detail(response)}"
+                    detail = f"HTTP {status} {response.reason_phrase}{_error_detail(response, self._secrets)}"
                     if status in _RETRY_STATUS:
                         raise _Retry(detail)
                     raise RewardError(f"reward server {self.url} refused the request: {detail}")
@@ -472,7 +489,14 @@ class RemoteReward:
 
     def _score(self, pixels: np.ndarray, prompts: List[str]) -> Tensor:
         body = json.dumps({"images": _encode_uint8(pixels), "prompts": prompts}).encode("utf-8")
-        return self._parse(self._request(body), len(pixels))
+        try:
+            return self._parse(self._request(body), len(pixels))
+        except RewardError as err:
+            # Every error leaves through here: the token never reaches a log line or torchrun's error file.
+            redacted = redact(str(err), self._secrets)
+            if redacted == str(err):
+                raise
+            raise RewardError(redacted) from None
 
     # ---- the reward API
 
