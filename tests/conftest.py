@@ -25,3 +25,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if "distributed" in item.keywords:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the tiny models gain nothing from more, and the distributed tests' reference numbers are
+    single-threaded (gloo ranks run one thread)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

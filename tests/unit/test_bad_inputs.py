@@ -31,11 +31,9 @@ def exit_reward(images, prompts):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
+    """Every test here single-threaded (the shared fixture)."""
     yield
-    torch.set_num_threads(threads)
 
 
 def _one_line_error(capsys, *argv) -> str:

@@ -17,6 +17,7 @@ from leangrpo_mcore.cli.train import main
 from leangrpo_mcore.engine import checkpoint as ck
 from leangrpo_mcore.engine import ckpt_manifest, metrics
 from leangrpo_mcore.errors import UserError
+from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -24,18 +25,13 @@ ENOSPC = "No space left on device"
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
+    """Every test here single-threaded (the shared fixture)."""
     yield
-    torch.set_num_threads(threads)
 
 
 def _run(capsys, *argv):
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    return code, errors, captured.err + captured.out
+    return run_cli(main, capsys, *argv)
 
 
 def _steps(run: Path) -> list:

@@ -16,6 +16,7 @@ import yaml
 from leangrpo_mcore.cli.train import main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.config.drift import config_changes
+from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -23,18 +24,13 @@ PROMPTS = ["a red cube", "a blue sphere", "a green cone", "a yellow torus"]
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
+    """Every test here single-threaded (the shared fixture)."""
     yield
-    torch.set_num_threads(threads)
 
 
 def _run(capsys, *argv):
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    return code, errors, captured.err + captured.out
+    return run_cli(main, capsys, *argv)
 
 
 @pytest.fixture(scope="module")

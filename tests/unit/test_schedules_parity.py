@@ -266,12 +266,9 @@ def run_three(case: Case) -> tuple[Outcome, Outcome, Outcome]:
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Single-threaded kernels: the reference numbers of the distributed tests (gloo ranks run 1 thread)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """Every test here single-threaded (the shared fixture)."""
     yield
-    torch.set_num_threads(threads)
 
 
 def test_flux_full_finetune_guidance_embedding():

@@ -17,6 +17,7 @@ from leangrpo_mcore.cli.train import main
 from leangrpo_mcore.engine.trainer import NonFiniteGuard
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 from tests.ckpt_helpers import model_tensors
+from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -33,19 +34,13 @@ if "nan_for_tests" not in REWARDS:
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny models gain nothing from more, and a busy machine punishes spinning threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
+    """Every test here single-threaded (the shared fixture)."""
     yield
-    torch.set_num_threads(threads)
 
 
 def _run(capsys, *argv):
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
-    return code, errors, captured.err + captured.out
+    return run_cli(main, capsys, *argv)
 
 
 def _assert_one_line_error(capsys, pattern, *argv):

@@ -25,11 +25,9 @@ def image_shapes(images, prompts):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
+    """Every test here single-threaded (the shared fixture)."""
     yield
-    torch.set_num_threads(threads)
 
 
 def _train(tmp_path, *overrides):
