@@ -7,7 +7,7 @@ no I/O and no collective). After each optimizer step every rank calls :meth:`Pre
 all-reduce of one number, so that all ranks stop after the same step even when the signal reached them at
 different moments; the trainer then writes a synchronous checkpoint of that step and exits with
 :func:`exit_code` (128 + the signal number, the shell's convention: 143 for SIGTERM, 130 for SIGINT, 138 for
-SIGUSR1). A second signal of the same kind, once the first was seen, gets the default action (stop now).
+SIGUSR1). Further signals change nothing until then; SIGKILL (or SIGQUIT, Ctrl-\\) stops at once.
 
 Under torchrun the agent forwards the signals it handles to the workers: SIGTERM and SIGINT by default,
 SIGUSR1 with ``--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``; it kills the workers
@@ -55,12 +55,10 @@ class PreemptionFlag:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum:
-            return
-        self.signum = signum
-        # The second signal stops the process at once (Ctrl-C twice).
-        default = signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
-        signal.signal(signum, default)
+        # Later signals change nothing: a worker often gets the same signal twice (from the scheduler, which
+        # signals every process of the job, and forwarded by torchrun), and must still save.
+        if not self.signum:
+            self.signum = signum
 
     def agreed(self) -> int:
         """Collective over the default group: the largest signal number any rank has seen (0: none)."""

@@ -148,7 +148,7 @@ class StepWatchdog:
         p = behind[0]
         where = f"in {p.name} of step {p.step}" if p.step else f"in {p.name}"
         message = (f"step watchdog: rank{'s' if len(behind) > 1 else ''} {ranks} stalled {where} "
-                   f"({max(q.seconds for q in behind):.0f} s without progress, {self.setting}); stopping the job")
+                   f"({max(q.seconds for q in behind):.1f} s without progress, {self.setting}); stopping the job")
         report = True
         if store is not None:
             try:
