@@ -101,29 +101,59 @@ def test_a_stale_lock_file_is_taken_over_with_a_warning(tmp_path):
     assert again == []
 
 
-_SENT = []
+_SEND: list = []
 
 
-def _sigterm_at_step_1(images, prompts):
-    """A reward that sends this process SIGTERM twice at its first call (a scheduler's signal and torchrun's
+def _signal_at_first_call(images, prompts):
+    """A reward that sends this process its signal twice at its first call (a scheduler's signal and torchrun's
     forwarded copy), while step 1 is in flight."""
-    if not _SENT:
-        _SENT.append(True)
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)
+    if _SEND:
+        signum = _SEND.pop()
+        os.kill(os.getpid(), signum)
+        os.kill(os.getpid(), signum)
     return -images.float().mean(dim=(1, 2, 3))
 
 
-def test_sigterm_mid_step_saves_that_step_and_exits_143(tmp_path, capsys):
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGUSR1, 138)])
+def test_a_signal_mid_step_saves_that_step_and_exits_128_plus_its_number(tmp_path, capsys, signum, code):
     run = tmp_path / "run"
-    code, errors, output = _train(capsys, run, "train.max_steps=3", "checkpoint.save_every=0",
-                                  f"reward.name={__name__}:_sigterm_at_step_1")
-    assert code == exit_code(signal.SIGTERM) == 143, output
-    assert errors == [] and "SIGTERM: stopped after step 1 with checkpoint" in output, output
-    assert (run / "checkpoints" / "step_1" / "COMPLETE").is_file()
+    _SEND[:] = [signum]
+    status, errors, output = _train(capsys, run, "train.max_steps=3", "checkpoint.save_every=0",
+                                    "checkpoint.async_save=true", f"reward.name={__name__}:_signal_at_first_call")
+    assert status == exit_code(signum) == code, output
+    name = signal.Signals(signum).name
+    assert errors == [] and f"{name}: stopped after step 1 with checkpoint" in output, output
+    assert (run / "checkpoints" / "step_1" / "COMPLETE").is_file()  # written synchronously despite async_save
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1]
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are put back
+    assert signal.getsignal(signum) == signal.SIG_DFL  # the handlers are put back
+
+
+def test_an_empty_save_on_signal_keeps_the_default_actions(tmp_path, capsys):
+    code = r"""
+import os, signal, sys
+from leangrpo_mcore.cli.train import main
+from tests.unit import test_preemption as t
+t._SEND[:] = [signal.SIGUSR1]
+sys.exit(main(["--config", t.TINY_FLUX, "train.output_dir=" + sys.argv[1], "train.max_steps=2",
+               "train.save_on_signal=[]", "reward.name=tests.unit.test_preemption:_signal_at_first_call", *t.FAST]))
+"""
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == -signal.SIGUSR1, done.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints" / "step_1").exists()
+
+
+def test_the_slurm_example_requeues_on_preemption():
+    script = (ROOT / "examples" / "train_slurm.sbatch").read_text()
+    assert "#SBATCH --signal=USR1@120" in script and "#SBATCH --requeue" in script
+    assert 'scontrol requeue "${SLURM_JOB_ID}"' in script and "LEANGRPO_PREEMPTED_MARKER" in script
+    # torchrun's own parser accepts the flags that make it forward SIGUSR1 and wait for the save.
+    from torch.distributed.run import get_args_parser
+
+    flags = script.split("--signals-to-handle ")[1].split(" \\")[0].split()
+    args = get_args_parser().parse_args(["--signals-to-handle", *flags[:1], *flags[1:], "train.py"])
+    assert "SIGUSR1" in args.signals_to_handle.split(",") and args.shutdown_timeout == 110 < 120
 
 
 def test_resume_auto_without_a_checkpoint_starts_afresh_and_keeps_the_old_metrics(tmp_path, capsys):
