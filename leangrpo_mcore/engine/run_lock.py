@@ -74,6 +74,8 @@ class RunLock:
     @classmethod
     def acquire(cls, root: str, warn: Optional[Callable[[str], Any]] = None) -> "RunLock":
         """Lock ``root/.lock`` (creating ``root``); UserError naming the holder when another trainer holds it."""
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise UserError(f"train.output_dir '{root}' exists and is not a directory")
         try:
             os.makedirs(root, exist_ok=True)
         except OSError as err:
