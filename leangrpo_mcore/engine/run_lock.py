@@ -67,15 +67,17 @@ def pid_alive(pid: int) -> bool:
 class RunLock:
     """The held lock of one run directory; :meth:`release` (or process exit) frees it."""
 
-    def __init__(self, path: str, fd: int) -> None:
+    def __init__(self, path: str, fd: int, created_root: bool = False) -> None:
         self.path = path
         self._fd: Optional[int] = fd
+        self._created_root = created_root
 
     @classmethod
     def acquire(cls, root: str, warn: Optional[Callable[[str], Any]] = None) -> "RunLock":
         """Lock ``root/.lock`` (creating ``root``); UserError naming the holder when another trainer holds it."""
         if os.path.exists(root) and not os.path.isdir(root):
             raise UserError(f"train.output_dir '{root}' exists and is not a directory")
+        created = not os.path.exists(root)
         try:
             os.makedirs(root, exist_ok=True)
         except OSError as err:
@@ -105,7 +107,7 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": me.host, "pid": me.pid}).encode(), 0)
         os.fsync(fd)
-        return cls(path, fd)
+        return cls(path, fd, created)
 
     @property
     def held(self) -> bool:
@@ -113,12 +115,20 @@ class RunLock:
         return self._fd is not None
 
     def release(self) -> None:
-        """Empty the lock file and free the lock (idempotent)."""
+        """Empty the lock file and free the lock (idempotent). A directory this lock created and nothing else
+        wrote into (a launch refused while building) is removed, so that bad input leaves no trace."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
+        root = os.path.dirname(self.path)
         try:
-            os.ftruncate(fd, 0)
+            if self._created_root and os.listdir(root) == [LOCK_NAME]:
+                # Unlinked while still locked, so a launch starting now fails to lock or creates a new file;
+                # only one that opened the old file in the instant before the unlink would miss this lock.
+                os.unlink(self.path)
+                os.rmdir(root)
+            else:
+                os.ftruncate(fd, 0)
         except OSError:
             pass  # the lock is freed below all the same; a stale text only costs a warning later
         finally:
