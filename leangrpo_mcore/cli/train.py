@@ -4,6 +4,8 @@
 ``torchrun --nproc-per-node N -m leangrpo_mcore.train --config FILE ...`` every rank runs the same command.
 Bad input ends with one ``error: ...`` line (printed by the first rank that fails) and exit code 2 on every
 rank; torchrun then prints its failure summary, with that line as each failed rank's message, and exits with 1.
+A preemption signal (``train.save_on_signal``) ends the run after a checkpoint with 128 + the signal number
+(143 for SIGTERM); a stall caught by the step watchdog (``train.step_timeout_minutes``) with 124.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ def _main(argv: Sequence[str] | None) -> int:
     from leangrpo_mcore.engine.launch import quiet_nonzero_ranks
 
     quiet_nonzero_ranks()
+    from leangrpo_mcore.engine.preemption import exit_code
     from leangrpo_mcore.engine.trainer import train
 
-    train(config)
-    return 0
+    state = train(config)
+    return exit_code(state.stopped_by_signal) if state.stopped_by_signal else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

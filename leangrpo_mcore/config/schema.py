@@ -190,6 +190,9 @@ class ParallelConfig:
     each parameter over dp_shard * cp ranks (the cp ranks of a sample hold the same parameters)."""
     dp_replicate: int | Literal["auto"] = "auto"
     """HSDP replica degree (across nodes); auto = 1."""
+    timeout_minutes: float = option(30.0, gt=0.0)
+    """Timeout of the default process group's collectives: a rank that waits this long for its peers fails
+    instead of hanging (torchtitan's and Megatron's default, 30)."""
     layout: str = option("shared", choices=("shared", "conventional"))
     """shared: a prompt's generations spread over ranks (LeanGRPO); conventional: each rank holds whole groups."""
     param_dtype: Optional[str] = option(None, choices=("float32", "bfloat16", "float16"))
@@ -264,6 +267,14 @@ class TrainConfig:
     overwrite: bool = False
     """A fresh run into an output_dir that holds an earlier run's checkpoints or metrics deletes them first
     (otherwise such a directory is refused)."""
+    save_on_signal: list[str] = option(factory=lambda: ["TERM", "INT", "USR1"], choices=("TERM", "INT", "USR1"))
+    """Signals that make every rank finish the current optimizer step, write a checkpoint of it (synchronously)
+    and exit with 128 + the signal number (143 for TERM, 130 for INT, 138 for USR1); [] keeps the default
+    actions (docs/checkpoints.md, "Preemption")."""
+    step_timeout_minutes: float = option(0.0, ge=0.0)
+    """Step watchdog: a rank that spends longer than this in one phase of the training loop (a step's rollout
+    and update, a reward call, a checkpoint save, an evaluation) stops the job with one line naming the phase
+    and the rank that stalled (exit code 124); fractions allowed, 0 disables it."""
 
 
 @dataclass

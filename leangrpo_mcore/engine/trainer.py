@@ -38,12 +38,16 @@ from leangrpo_mcore.engine import build, checkpoint
 from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_error, get_logger, init_distributed,
                                           raise_if_any, shutdown)
 from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_stats
+from leangrpo_mcore.engine.preemption import (PreemptionFlag, exit_code, set_aside_interrupted, signal_name,
+                                              write_marker)
+from leangrpo_mcore.engine.run_lock import lock_run_dir
 from leangrpo_mcore.engine.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
 from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
 from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, reward_input, write_eval_grid
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.video import require_video_extra, write_video_grid
 from leangrpo_mcore.engine.wandb_log import open_wandb
+from leangrpo_mcore.engine.watchdog import StepWatchdog
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.mesh import destroy_parallel_context
 from leangrpo_mcore.parallel.precision import fp8_precision
@@ -126,6 +130,7 @@ class RewardBridge:
         self.weighted = data.reward.fn if config.reward.aggregate == "advantages" and data.reward is not None else None
         self.error: Optional[str] = None
         self.capture = False
+        self.watchdog: Optional[StepWatchdog] = None
         self._lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
         self.begin_step(False)
@@ -188,7 +193,16 @@ class RewardBridge:
 
     def __call__(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
         """(B,) rewards ((B, K) component rewards) of ``final_latents``; zeros after a reward error (the step is
-        then abandoned)."""
+        then abandoned). The step watchdog sees the call as the phase "reward"."""
+        if self.watchdog is None:
+            return self._score(final_latents, prompt_ids)
+        self.watchdog.enter("reward")
+        try:
+            return self._score(final_latents, prompt_ids)
+        finally:
+            self.watchdog.enter("rollout and update")
+
+    def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
         ids = [int(i) for i in prompt_ids.tolist()]
         prompts, metadata = self.data.dataset.get(ids), self.data.dataset.metadata(ids)
         index = self._next_call()
@@ -290,6 +304,8 @@ class LoopState:
     """Consecutive skipped updates up to ``step``."""
     step_times: list[float] = field(default_factory=list)
     """Wall-clock seconds of each step of this launch (not saved)."""
+    stopped_by_signal: int = 0
+    """The signal that stopped this launch after a preemption save (0: it ran to the end)."""
 
 
 class Trainer:
@@ -327,6 +343,7 @@ class Trainer:
         self.state = LoopState()
         self.resumed_step: Optional[int] = None
         self.pending: Optional[checkpoint.PendingSave] = None
+        self.watchdog: Optional[StepWatchdog] = None
         if self.resume_path is not None:
             self._resume(self.resume_path, same_layout)
         self.config_yaml = config_to_yaml(config)
@@ -358,6 +375,13 @@ class Trainer:
     def _resume_target(self) -> Optional[str]:
         spec = self.config.checkpoint.resume
         path = checkpoint.resolve_resume(spec, self.run_dir, warn=self.log.warning)
+        if path is None and spec == "auto":
+            # A launch stopped before its first checkpoint (preempted, killed) leaves metrics only: auto starts
+            # afresh instead of refusing them, and keeps them aside.
+            for old, new in set_aside_interrupted(self.run_dir):
+                self.log.warning("checkpoint.resume=auto: no checkpoint to resume in %s, starting afresh; the "
+                                 "interrupted launch's %s is kept as %s", self.run_dir.root,
+                                 os.path.basename(old), os.path.basename(new))
         if path is None:
             check_fresh_run(self.run_dir, overwrite=self.config.train.overwrite)
         return path
@@ -429,24 +453,59 @@ class Trainer:
         return any(c.key in (PROMPTS_CONTENT, "data.shuffle", "train.seed") for c in refused)
 
     def run(self) -> LoopState:
-        """Train until ``train.max_steps``; returns the final counters."""
+        """Train until ``train.max_steps`` or a preemption signal (see :meth:`_stop_on_signal`); returns the
+        final counters."""
         cfg = self.config
+        signals = PreemptionFlag(cfg.train.save_on_signal)
+        self.watchdog = self._start_watchdog()
+        self.bridge.watchdog = self.watchdog
         try:
             if cfg.eval.before_train and self.state.step == 0:
                 self._evaluate(0)
             for step in range(self.state.step + 1, cfg.train.max_steps + 1):
                 self._train_step(step)
+                self._phase("signal check")
+                signum = signals.agreed()
+                if signum and step < cfg.train.max_steps:  # after the last step the run ends as usual
+                    self._stop_on_signal(step, signum)
+                    break
                 if self._save_due(step):
                     self._save(step)
                 if cfg.eval.every and step % cfg.eval.every == 0:
                     self._evaluate(step)
+            self._phase("checkpoint save")
             self._finish_save()
         finally:
+            signals.restore()
+            if self.watchdog is not None:
+                self.watchdog.close()
             self.bridge.close()
             self.metrics.close()
             self.progress.close()
-        self._summary()
+        if not self.state.stopped_by_signal:
+            self._summary()
         return self.state
+
+    def _start_watchdog(self) -> Optional[StepWatchdog]:
+        minutes = self.config.train.step_timeout_minutes
+        if minutes <= 0:
+            return None
+        return StepWatchdog(minutes * 60.0, self.dist.rank, self.dist.world_size,
+                            setting=f"train.step_timeout_minutes={minutes:g}")
+
+    def _phase(self, name: str, step: Optional[int] = None) -> None:
+        """Tell the step watchdog (if any) what this rank does now."""
+        if self.watchdog is not None:
+            self.watchdog.enter(name, step)
+
+    def _stop_on_signal(self, step: int, signum: int) -> None:
+        """Save ``step`` synchronously (whatever checkpoint.async_save says), log one line, mark the stop."""
+        path = self._save(step, sync=True)
+        self.state.stopped_by_signal = signum
+        if self.dist.is_main:
+            write_marker(step, signum, path)
+        self.log.info("%s: stopped after step %d with checkpoint %s; exit code %d (continue with "
+                      "checkpoint.resume=auto)", signal_name(signum), step, path, exit_code(signum))
 
     def _sample_due(self, step: int) -> bool:
         every = self.config.logging.sample_every
@@ -457,15 +516,18 @@ class Trainer:
         return step == self.config.train.max_steps or (every > 0 and step % every == 0)
 
     def _train_step(self, step: int) -> None:
+        self._phase("text encoding", step)
         prompt_ids = self.data.sampler.next_indices()
         start = time.perf_counter()
         conditioning = self.data.text_encoder.encode(self.data.dataset.get(prompt_ids))
         self.bridge.begin_step(capture=self._sample_due(step))
         skipped_before = self.guard.skipped
         lr = float(self.parts.optimizer.param_groups[0]["lr"])
+        self._phase("rollout and update")
         result = self.engine.step(StepInputs(step=step, conditioning=conditioning,
                                              prompt_ids=torch.tensor(prompt_ids, dtype=torch.long)))
         raise_if_any(self.bridge.error)
+        self._phase("metrics and samples")
         elapsed = time.perf_counter() - start
         skipped = self.guard.skipped > skipped_before
         self._after_update(step, skipped)
@@ -539,6 +601,7 @@ class Trainer:
 
     def _evaluate(self, step: int) -> None:
         """Evaluate the current weights: ``eval.jsonl``, ``eval/`` scalars and the eval grid (first rank)."""
+        self._phase("evaluation")
         with user_errors():
             result = self.evaluator.evaluate(step)
         if result is not None:  # the first rank's: it writes
@@ -592,9 +655,10 @@ class Trainer:
             failure += f"; the checkpoint was not saved either ({err})"
         raise UserError(failure)
 
-    def _save(self, step: int, sync: bool = False) -> None:
+    def _save(self, step: int, sync: bool = False) -> str:
         """Write the checkpoint of ``step``: published before this returns, or with ``checkpoint.async_save``
-        (unless ``sync``) by a background thread as soon as its files are written."""
+        (unless ``sync``) by a background thread as soon as its files are written; returns its final path."""
+        self._phase("checkpoint save")
         self._finish_save()
         p = self.parts
         record = {**self._layout_record(), "sampler": self.data.sampler.state_dict(),
@@ -606,6 +670,7 @@ class Trainer:
                                                   async_save=background)
         if not background:
             self._finish_save()
+        return self.run_dir.checkpoint_path(step)
 
     def _poll_save(self) -> None:
         """Collective: report a background write once it is done on every rank (a failed one stops the run with
@@ -659,14 +724,24 @@ class Trainer:
 
 
 def train(config: Config) -> LoopState:
-    """Run training for ``config`` on this process (torchrun rank or a lone process); returns the counters."""
-    dist_ctx = init_distributed()
+    """Run training for ``config`` on this process (torchrun rank or a lone process); returns the counters.
+
+    Rank 0 holds the run directory's lock (:mod:`~leangrpo_mcore.engine.run_lock`) from before the build until
+    the end; a directory another trainer holds is a one-line error on every rank. A run stopped by a
+    preemption signal returns with :attr:`LoopState.stopped_by_signal` set (the CLI exits with
+    :func:`~leangrpo_mcore.engine.preemption.exit_code` of it).
+    """
+    dist_ctx = init_distributed(timeout_s=config.parallel.timeout_minutes * 60.0)
     logger = get_logger(dist_ctx.rank)
+    lock = None
     try:
         with user_errors():
+            lock = lock_run_dir(config.train.output_dir, warn=logger.warning)
             trainer = Trainer(config, dist_ctx, logger)
         return trainer.run()
     finally:
+        if lock is not None:
+            lock.release()
         destroy_parallel_context()
         shutdown(dist_ctx)
 
