@@ -25,6 +25,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if "distributed" in item.keywords:
             item.add_marker(pytest.mark.slow)
+            # Under pytest-xdist (`-n 2`, README) the multi-rank tests run one after another on one worker while the
+            # other worker takes the single-process tests: two of them at once would oversubscribe the cores.
+            item.add_marker(pytest.mark.xdist_group("distributed"))
 
 
 @pytest.fixture
