@@ -6,6 +6,9 @@ A missing optional dependency is one too (:func:`require_extra`): its line names
 """
 
 import importlib
+import json
+import os
+import time
 from types import ModuleType
 
 
@@ -26,3 +29,17 @@ def require_extra(module: str, extra: str, feature: str) -> ModuleType:
         detail = f" ({exc.name} is missing)" if exc.name and exc.name != module.split(".")[0] else ""
         raise MissingExtraError(f"{feature} needs the '{extra}' extra{detail}: "
                                 f"pip install 'leangrpo_mcore[{extra}]'") from None
+
+
+def write_error_file(message: str) -> None:
+    """Under torchrun, put ``message`` in this rank's error file (the format of torchrun's own error handler,
+    without a traceback: torchrun prints the message as the failure's "traceback")."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as fp:
+            json.dump(record, fp)
+    except OSError:
+        pass  # the summary then says "To enable traceback see ..."; the error line is on stderr anyway

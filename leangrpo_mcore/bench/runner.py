@@ -120,9 +120,9 @@ class Bench:
         # The trainer's build order: cheap checks and the data side before the policy.
         self.pctx = build.build_context(config, dist_ctx)
         build.check_layout_early(config, self.pctx)
-        family, hyper = build.policy_hyper(config)
-        self.data = build.build_data_parts(config, family, hyper, dist_ctx.device)
-        self.parts = build.build_policy_parts(config, self.pctx, build.precision_of(config, self.pctx))
+        source = build.resolve_model_source(config)  # model.path is read here, once
+        self.data = build.build_data_parts(config, source.family, source.hyper, dist_ctx.device)
+        self.parts = build.build_policy_parts(config, self.pctx, build.precision_of(config, self.pctx), source=source)
         self.bridge = RewardBridge(self.data, config)
         self.engines: dict[str, StepEngine] = {
             label: build.build_engine(variant_config(config, label), VARIANTS[label].schedule, self.parts,

@@ -9,14 +9,12 @@ traceback see ...". The ranks exit with code 2; torchrun itself then exits with 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 from typing import Callable, Sequence
 
 from leangrpo_mcore import __version__
-from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.errors import UserError, write_error_file  # noqa: F401 -- write_error_file: part of this API
 
 EXIT_USER_ERROR = 2
 
@@ -55,17 +53,3 @@ def _reports_errors() -> bool:
     from leangrpo_mcore.engine.launch import first_to_report
 
     return first_to_report()
-
-
-def write_error_file(message: str) -> None:
-    """Under torchrun, put ``message`` in this rank's error file (the format of torchrun's own error handler,
-    without a traceback: torchrun prints the message as the failure's "traceback")."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w", encoding="utf-8") as fp:
-            json.dump(record, fp)
-    except OSError:
-        pass  # the summary then says "To enable traceback see ..."; the error line is on stderr anyway

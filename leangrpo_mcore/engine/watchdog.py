@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from leangrpo_mcore.errors import write_error_file
+
 EXIT_STEP_TIMEOUT = 124
 """Exit code of a rank the watchdog stopped (``timeout``'s convention)."""
 _KEY = "leangrpo/watchdog"
@@ -157,19 +159,6 @@ class StepWatchdog:
                 report = self.rank == 0
         if report:
             print(f"error: {message}", file=sys.stderr, flush=True)
-        _write_error_file(message)
+        write_error_file(message)
         sys.stdout.flush()
         os._exit(EXIT_STEP_TIMEOUT)
-
-
-def _write_error_file(message: str) -> None:
-    """torchrun's error file, in the format its summary prints as the failure's message."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    record = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(record, fh)
-    except OSError:
-        pass
