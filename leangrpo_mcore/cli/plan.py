@@ -2,6 +2,11 @@
 
     leangrpo-plan --model flux-dev --nodes 4 --gpus-per-node 8 --gpu-mem-gb 80 --resolution 720 --json
     leangrpo-plan --config yaml_configs/flux_dev/dancegrpo.yaml grpo.group_size=16 --gpus-per-node 8 --gpu-mem-gb 48
+    leangrpo-plan --config yaml_configs/bench/flux_flowgrpo.yaml --schedule config --hardware cpu \
+        --gpus-per-node 2 --gpu-mem-gb 11
+
+The plan ends with one line of overrides (``schedule.name=… parallel.tp=… … model.activation_checkpointing=…``)
+that runs the chosen layout; ``--json`` carries it as ``overrides``.
 
 Exit codes: 0 a plan, 1 nothing fits (the candidates and the reason are still printed), 2 bad input.
 """
@@ -18,12 +23,16 @@ from typing import Optional, Sequence
 from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.planner.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, load_arch
-from leangrpo_mcore.planner.workload import PRECISIONS, GiB, Hardware, Workload
-from leangrpo_mcore.planner.layout import DEFAULT_TEXT_TOKENS, Plan, describe_layout, plan, workload_from_config
+from leangrpo_mcore.planner.workload import (HARDWARE_KINDS, PRECISIONS, SCHEDULES, GiB, Hardware, Workload,
+                                             hardware_preset)
+from leangrpo_mcore.planner.layout import (DEFAULT_TEXT_TOKENS, Plan, config_schedules, describe_layout, plan,
+                                           workload_from_config)
 
 # Flags that a YAML config sets itself: with --config they come from it (use dotted overrides instead).
 WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_size", "prompts_per_step",
-                  "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp", "pp")
+                  "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp", "pp",
+                  "reshard_after_forward")
+RESHARD_FLAG = {"auto": "auto", "true": True, "false": False, "rollout": "rollout"}
 DEFAULT_CFG_SCALE = {"flux": 1.0, "wan": 5.0}  # FLUX.1-dev is guidance-distilled; Wan samples with CFG 5
 MAX_TABLE_RANKS = 64
 
@@ -50,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("bf16", "fp8"), help="compute precision (default bf16)")
     p.add_argument("--activation-checkpointing", nargs="?", const="on", choices=("on", "off", "auto"),
                    help="per-block activation checkpointing; alone means on (default auto: the planner decides)")
+    p.add_argument("--reshard-after-forward", choices=tuple(RESHARD_FLAG),
+                   help="FSDP2 gathering as parallel.reshard_after_forward: true (every forward), rollout (once per "
+                        "rollout), false (once per step); default auto: the planner decides")
     p.add_argument("--kl-beta", type=float, help="KL coefficient (default 0)")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance (> 1 doubles every forward; "
                                                    "default 1 for FLUX, 5 for Wan)")
@@ -61,18 +73,26 @@ def build_parser() -> argparse.ArgumentParser:
                                          "tries every degree)")
     p.add_argument("--text-tokens", type=int, help=f"text-encoder tokens per prompt (default {DEFAULT_TEXT_TOKENS}; "
                                                    "a YAML config's hashed text embedder: 16)")
-    hardware = (("--intra-node-gbps", 150.0, "collective bandwidth per GPU in a node, GB/s"),
-                ("--inter-node-gbps", 25.0, "collective bandwidth per GPU across nodes, GB/s"),
-                ("--gpu-tflops", 312.0, "dense bf16 TFLOP/s per GPU"),
-                ("--efficiency", 0.4, "fraction of the peak TFLOP/s reached"),
-                ("--hbm-gbps", 1500.0, "GPU memory bandwidth, GB/s"),
-                ("--overhead-gb", 1.5, "per-GPU memory outside tensors (CUDA context, NCCL, allocator), GiB"),
+    p.add_argument("--schedule", default="all", choices=("all", "config", *SCHEDULES),
+                   help="schedules to plan: all (default), one of them, or config: what the trainer resolves for a "
+                        "YAML config (its schedule.name; every schedule for auto)")
+    p.add_argument("--hardware", default="gpu", choices=HARDWARE_KINDS,
+                   help="rate defaults: gpu (an A100-class GPU) or cpu (single-threaded gloo ranks on a host, as the "
+                        "trainer plans a CPU run); the flags below override them")
+    hardware = (("--intra-node-gbps", None, "collective bandwidth per GPU in a node, GB/s (gpu: 150)"),
+                ("--inter-node-gbps", None, "collective bandwidth per GPU across nodes, GB/s (gpu: 25)"),
+                ("--gpu-tflops", None, "dense bf16 TFLOP/s per GPU (gpu: 312)"),
+                ("--efficiency", None, "fraction of the peak TFLOP/s reached (gpu: 0.4)"),
+                ("--hbm-gbps", None, "GPU memory bandwidth, GB/s (gpu: 1500)"),
+                ("--overhead-gb", None, "per-GPU memory outside tensors (CUDA context, NCCL, allocator), GiB "
+                                        "(gpu: 1.5)"),
                 ("--reward-seconds", 0.0, "reward time per generation, s"),
                 ("--reward-mem-gb", 0.0, "memory reserved per GPU for a reward model the planner does not derive "
                                          "(a plugin's; a YAML config's built-in learned reward is derived), GiB"),
                 ("--decode-mem-gb", 0.0, "transient memory of VAE decode + reward scoring of a micro-batch, GiB"))
     for flag, default, text in hardware:
-        p.add_argument(flag, type=float, default=default, help=f"{text} (default: {default})")
+        p.add_argument(flag, type=float, default=default,
+                       help=text if default is None else f"{text} (default: {default})")
     p.add_argument("--top", type=int, default=0, help="table: show only the N best candidates (0 = all)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (every candidate)")
     p.add_argument("--simulate", nargs="?", const="chosen", choices=("chosen", "all"),
@@ -111,11 +131,13 @@ def workload_from_args(args: argparse.Namespace, world_size: int) -> Workload:
         micro_batch=_pick(args.micro_batch, 1), lora_rank=_pick(args.lora_rank, 0),
         lora_targets=DEFAULT_LORA_TARGETS[arch.family], precision=PRECISIONS[_pick(args.precision, "bf16")],
         activation_checkpointing=ac, kl_beta=_pick(args.kl_beta, 0.0),
+        reshard_after_forward=RESHARD_FLAG[_pick(args.reshard_after_forward, "auto")],
         cfg=_pick(args.cfg_scale, DEFAULT_CFG_SCALE[arch.family]) > 1.0, reward_seconds=args.reward_seconds,
         reward_mem_bytes=int(args.reward_mem_gb * GiB), decode_bytes=int(args.decode_mem_gb * GiB))
 
 
 def _config_workload(args: argparse.Namespace, path: str) -> tuple[Workload, dict]:
+    """The workload of a YAML config and the degrees it fixes (and with ``--schedule config`` its schedules)."""
     given = [f"--{name.replace('_', '-')}" for name in WORKLOAD_FLAGS if getattr(args, name) is not None]
     if given:
         raise UserError(f"{given[0]} cannot be combined with a YAML config: use a dotted override instead")
@@ -126,6 +148,8 @@ def _config_workload(args: argparse.Namespace, path: str) -> tuple[Workload, dic
     for key in ("dp_shard", "dp_replicate"):
         if getattr(config.parallel, key) != "auto":
             fixed[key] = int(getattr(config.parallel, key))
+    if args.schedule == "config":
+        fixed["schedules"] = config_schedules(config)
     work = workload_from_config(config, text_tokens=args.text_tokens, reward_seconds=args.reward_seconds,
                                 reward_mem_gb=args.reward_mem_gb, decode_bytes=int(args.decode_mem_gb * GiB))
     return work, fixed
@@ -159,17 +183,24 @@ def plan_config(args: argparse.Namespace, work: Workload) -> "Config":
 def make_plan(args: argparse.Namespace) -> Plan:
     """Hardware and workload from ``args``, then :func:`leangrpo_mcore.planner.layout.plan`."""
     check_numbers(args)
+    rates = hardware_preset(args.hardware)
+    flags = {"gpu_tflops": args.gpu_tflops, "efficiency": args.efficiency, "intra_node_gbps": args.intra_node_gbps,
+             "inter_node_gbps": args.inter_node_gbps, "hbm_gbps": args.hbm_gbps,
+             "overhead_bytes": None if args.overhead_gb is None else int(args.overhead_gb * GiB)}
+    rates.update({key: value for key, value in flags.items() if value is not None})
     hw = Hardware(nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_mem_bytes=int(args.gpu_mem_gb * GiB),
-                  gpu_tflops=args.gpu_tflops, efficiency=args.efficiency, intra_node_gbps=args.intra_node_gbps,
-                  inter_node_gbps=args.inter_node_gbps, hbm_gbps=args.hbm_gbps,
-                  overhead_bytes=int(args.overhead_gb * GiB))
+                  **rates)
     path = args.config or (args.model if args.model and args.model.endswith((".yaml", ".yml")) else None)
     if (args.config is None) == (args.model is None):
         raise UserError("give exactly one of --model and --config")
     if path is None and args.overrides:
         raise UserError(f"override {args.overrides[0]!r} needs --config")
+    if args.schedule == "config" and not path:
+        raise UserError("--schedule config needs --config")
     work, fixed = _config_workload(args, path) if path else (workload_from_args(args, hw.world_size),
                                                              {"cp": args.cp, "pp": args.pp})
+    if args.schedule in SCHEDULES:
+        fixed["schedules"] = (args.schedule,)
     return plan(work, hw, **fixed)
 
 
@@ -187,13 +218,14 @@ def render(result: Plan, top: int = 0) -> str:
     lines.append("")
     head = f"schedule: {result.schedule}" if result.ok else "schedule: none (nothing fits)"
     lines += [head] + textwrap.wrap(result.reason, 110, initial_indent="  ", subsequent_indent="  ") + [""]
-    lines.append(f"{'schedule':9}{'pp':>3}{'tp':>3}{'cp':>3}{'shard':>6}{'repl':>5}{'Q':>4}{'P':>4}{'ckpt':>5}"
+    lines.append(f"{'schedule':9}{'pp':>3}{'tp':>3}{'cp':>3}{'shard':>6}{'repl':>5}{'gather':>8}{'Q':>4}{'P':>4}"
+                 f"{'ckpt':>5}"
                  f"{'peak GiB':>10}{'fits':>6}{'step s':>9}  {'rollout':>8}{'recomp':>8}{'backward':>9}{'comm':>8}"
                  f"{'bubble':>7}{'other':>7}")
     shown = result.candidates[:top] if top > 0 else result.candidates
     for c in shown:
         degrees = (f"{c.schedule:9}{c.layout.pp:>3}{c.layout.tp:>3}{c.layout.cp:>3}{c.layout.dp_shard:>6}"
-                   f"{c.layout.dp_replicate:>5}")
+                   f"{c.layout.dp_replicate:>5}{c.gather_mode if c.layout.fsdp else '-':>8}")
         if not c.feasible:
             lines.append(f"{degrees}  -- {c.note}")
             continue
@@ -207,6 +239,8 @@ def render(result: Plan, top: int = 0) -> str:
                      f"{t['backward']:>9.1f}{comm:>8.1f}{t['pipeline_bubble']:>7.1f}{other:>7.1f}")
     if len(shown) < len(result.candidates):
         lines.append(f"... {len(result.candidates) - len(shown)} more (--top 0 shows all)")
+    if result.ok:
+        lines += ["", f"run it with: {result.overrides}"]
     if result.placement is not None:
         pl = result.placement
         lines += ["", f"placement ({describe_layout(result.chosen, w)}; TP groups in a node: "

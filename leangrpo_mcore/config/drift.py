@@ -70,15 +70,17 @@ def is_applied(key: str) -> bool:
 
 
 def config_changes(saved: dict, config: Config, *, saved_fingerprint: Optional[str] = None,
-                   fingerprint: Optional[str] = None) -> list[ConfigChange]:
+                   fingerprint: Optional[str] = None, planned: frozenset[str] = frozenset()) -> list[ConfigChange]:
     """Every key of ``config`` whose value differs from ``saved`` (the checkpoint's config as a mapping), sorted.
 
     Keys that ``saved`` lacks (a checkpoint of an earlier version) are not compared. With both fingerprints
     given, a prompt dataset whose content differs is a refused :data:`PROMPTS_CONTENT` change; without the saved
-    one (an older checkpoint), a changed ``data.prompts`` path is refused instead.
+    one (an older checkpoint), a changed ``data.prompts`` path is refused instead. ``planned`` names the keys
+    the user left ``auto`` and the layout planner resolved at launch (a schedule among equivalent ones, the
+    layout): a different resolution is applied, not refused.
     """
     mine = yaml.safe_load(config_to_yaml(config))
-    changes = [ConfigChange(key, before, after, is_applied(key))
+    changes = [ConfigChange(key, before, after, is_applied(key) or key in planned)
                for key, before, after in _differences(Config, saved, mine, prefix="")
                if key not in SILENT_KEYS]
     if saved_fingerprint is not None and fingerprint is not None:

@@ -154,8 +154,9 @@ class ModelConfig:
     """dtype of the master weights (the FSDP2 shards) and of the optimizer state; null = float32."""
     fp8: Optional[str] = option(None, choices=("tensorwise", "mxfp8", "blockwise"))
     """FP8 recipe for TE layers (null = off); needs the te backend."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward."""
+    activation_checkpointing: bool | Literal["auto"] = False
+    """Recompute each block's activations in backward. auto: the layout planner decides at launch, with the
+    data-parallel degrees (docs/planning.md, "Auto layout"): on only when nothing fits without it."""
     seed: int = option(0, ge=0)
     """Seed of the random initialisation (when no `path` is given)."""
     lora: LoRAConfig = option(factory=LoRAConfig)
@@ -186,10 +187,17 @@ class ParallelConfig:
     """Context (sequence) parallel degree: the tokens of each sample split over cp ranks, Ulysses attention
     (docs/models.md, "Sequence parallelism"); the cp ranks of a sample count as one data-parallel rank."""
     dp_shard: int | Literal["auto"] = "auto"
-    """FSDP2 sharding degree over data-parallel ranks; auto = world size / (tp * cp * dp_replicate). FSDP2 shards
-    each parameter over dp_shard * cp ranks (the cp ranks of a sample hold the same parameters)."""
+    """FSDP2 sharding degree over data-parallel ranks. FSDP2 shards each parameter over dp_shard * cp ranks (the
+    cp ranks of a sample hold the same parameters). auto: the layout planner's choice at launch, the fastest
+    layout that fits the memory (docs/planning.md, "Auto layout"); with dp_replicate fixed, world size /
+    (pp * tp * cp * dp_replicate)."""
     dp_replicate: int | Literal["auto"] = "auto"
-    """HSDP replica degree (across nodes); auto = 1."""
+    """HSDP replica degree: full copies of the (sharded) parameters, each gradient all-reduced across them. auto:
+    the layout planner's choice at launch (with dp_shard fixed, the rest of the world)."""
+    memory_budget_gb: Optional[float] = option(None, gt=0.0)
+    """Memory per rank, GiB, the layout planner may fill when it resolves the auto keys (dp_shard, dp_replicate,
+    reshard_after_forward, model.activation_checkpointing, schedule.name: auto). null: on a GPU the free device
+    memory at launch (the least over the ranks), on CPU the host memory over the ranks of a node."""
     timeout_minutes: float = option(30.0, gt=0.0)
     """Timeout of the default process group's collectives: a rank that waits this long for its peers fails
     instead of hanging (torchtitan's and Megatron's default, 30)."""
@@ -199,11 +207,15 @@ class ParallelConfig:
     """FSDP2 MixedPrecisionPolicy parameter dtype: the compute dtype, so null (= model.dtype) or equal to it."""
     reduce_dtype: str = option("float32", choices=("float32", "bfloat16"))
     """FSDP2 MixedPrecisionPolicy gradient-reduction dtype."""
-    reshard_after_forward: Optional[bool] = None
-    """FSDP2: free gathered parameters after each block's forward (true) or keep every block gathered from its
-    first forward until the optimizer step (false: more memory, no regathering). null (auto): true, except for
-    Reweight when data-parallel ranks train different steps (DanceGRPO selection; SDE windows of different
-    prompts), which needs false; true is refused there."""
+    reshard_after_forward: bool | Literal["auto", "rollout"] | None = "auto"
+    """FSDP2 gathering of the parameters. true: each block's parameters are gathered for every forward and
+    backward and freed after it (least memory). false: every block stays gathered from its first forward of a
+    step to the optimizer step, so a step gathers each block once (all denoising steps, micro-batches and
+    groups; the most memory). rollout: gathered once per prompt group for its rollout (its no-grad forwards,
+    and Retain's and Reweight's trained steps, which run inside it), freed before the group's update, whose
+    forwards and backwards regather (Native's recompute, Retain's deferred backward). auto (null too): the
+    layout planner's choice at launch, the fastest that fits; Reweight with ranks that train different steps
+    (DanceGRPO selection; SDE windows of different prompts) needs false or rollout, true is refused there."""
 
 
 @dataclass

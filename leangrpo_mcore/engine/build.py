@@ -9,7 +9,6 @@ the step engine.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -23,6 +22,8 @@ from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
 from leangrpo_mcore.engine.checkpoint import TPLayout, capture_tp_layout
+from leangrpo_mcore.engine.auto_layout import (apply_choice, auto_keys, chosen_words, describe_inputs,
+                                               planning_inputs, unplanned)
 from leangrpo_mcore.engine.launch import DistContext
 from leangrpo_mcore.engine.model_source import ModelSource, lora_section, resolve_model_source, sampler_shift
 from leangrpo_mcore.engine.optim import build_lr_scheduler, build_optimizer, trainable_parameters
@@ -91,28 +92,38 @@ def scoring_reward(build_fn, pctx: ParallelContext):
     return reward
 
 
-def resolve_plan(config: Config, world_size: int, logger: logging.Logger) -> Config:
-    """``config`` itself, or for ``schedule.name: auto`` a copy with the layout planner's schedule and (where the
-    config says ``auto``) its data-parallel degrees; the plan is logged."""
-    if config.schedule.name != "auto":
+def resolve_plan(config: Config, dist_ctx: DistContext, logger: logging.Logger) -> Config:
+    """``config`` with its ``auto`` keys (``schedule.name``, ``parallel.dp_shard``, ``parallel.dp_replicate``,
+    ``parallel.reshard_after_forward``, ``model.activation_checkpointing``) set to the layout planner's fastest
+    choice that fits the memory of a rank (:mod:`leangrpo_mcore.engine.auto_layout`); the choice is logged in one
+    line. Identical on every rank (collective: the ranks agree on the memory first). A config the planner
+    cannot model, or where nothing is predicted to fit, keeps the runtime defaults with a warning, unless
+    ``schedule.name`` is auto (then the planner's refusal is the error)."""
+    keys = auto_keys(config)
+    if not keys:
         return config
-    if config.parallel.cp > 1:
+    schedule_auto = config.schedule.name == "auto"
+    if schedule_auto and config.parallel.cp > 1:
         raise UserError("schedule.name=auto with parallel.cp > 1 is not supported yet: plan the layout with "
                         "leangrpo-plan (it models context parallelism) and name its schedule")
-    # The runtime's one way into the planner (its package entry), imported here so that a run with a named
-    # schedule never loads it.
-    from leangrpo_mcore.planner import plan_for_config
+    inputs = planning_inputs(config, dist_ctx)
+    # The runtime's one way into the planner (its package entry), imported here so that a run without auto keys
+    # never loads it.
+    from leangrpo_mcore.planner import hardware_preset, override_values, plan_for_config
 
-    memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
-    plan = plan_for_config(config, world_size, gpu_mem_gb=memory_gb)
-    chosen = plan.chosen.layout
-    par = config.parallel
-    parallel = dataclasses.replace(
-        par, dp_shard=chosen.dp_shard if par.dp_shard == "auto" else par.dp_shard,
-        dp_replicate=chosen.dp_replicate if par.dp_replicate == "auto" else par.dp_replicate)
-    logger.info("planner (schedule.name=auto): %s", plan.reason)
-    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, name=plan.schedule),
-                               parallel=parallel)
+    try:
+        plan = plan_for_config(config, inputs.world_size, gpus_per_node=inputs.ranks_per_node,
+                               gpu_mem_gb=inputs.memory_gb, require=schedule_auto, **hardware_preset(inputs.hardware))
+    except UserError as err:
+        if schedule_auto:
+            raise
+        logger.warning("auto layout: the planner cannot plan this config (%s); running the default layout", err)
+        return unplanned(config)
+    if not plan.ok:
+        logger.warning("auto layout: %s for %s; running the default layout", plan.reason, describe_inputs(inputs))
+        return unplanned(config)
+    logger.info("%s", chosen_words(plan.overrides, plan.reason, inputs))
+    return apply_choice(config, override_values(plan.chosen))
 
 
 def build_context(config: Config, dist_ctx: DistContext) -> ParallelContext:

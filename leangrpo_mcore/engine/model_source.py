@@ -128,7 +128,7 @@ def resolve_model_source(config: Config, *, check: bool = True) -> ModelSource:
             raise UserError(f"model.path {m.path} holds a {files.family.name} policy, but model.family is {m.family}")
         family, model_config = files.family, files.config
         hyper = model_config.to_diffusers_config()
-        if m.activation_checkpointing:
+        if m.activation_checkpointing is True:  # an unresolved auto (no planner: eval, bench) stays off
             model_config = dataclasses.replace(model_config, activation_checkpointing=True)
         if m.fp8 is not None:  # FP8 is a run setting, not part of a checkpoint: apply it however the policy is built
             model_config = fp8_config(model_config, m.fp8)
@@ -139,7 +139,7 @@ def resolve_model_source(config: Config, *, check: bool = True) -> ModelSource:
         family, plain = resolve_model_config({"family": m.family, "preset": m.preset, **m.arch})
         hyper = plain.to_diffusers_config()
         _, model_config = resolve_model_config({"family": m.family, "preset": m.preset, **m.arch,
-                                                "activation_checkpointing": m.activation_checkpointing,
+                                                "activation_checkpointing": m.activation_checkpointing is True,
                                                 "fp8": m.fp8})
         files, kind = None, "preset"
     if m.lora.rank > 0:

@@ -54,8 +54,8 @@ from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, draw_rollou
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
-from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
-from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
+from leangrpo_mcore.parallel.fsdp import StepGathering, reshard_policy
+from leangrpo_mcore.parallel.gathering import ReshardValue, gather_mode, selection_varies_across_ranks
 from leangrpo_mcore.parallel.grad_sync import GradSync
 from leangrpo_mcore.parallel.groups import (PromptShare, assign_samples, build_group_process_groups, check_layout,
                                             check_updates, gather_group_rewards, gather_step_rewards)
@@ -122,8 +122,8 @@ class StepPlan:
     """train.seed: every random draw derives from it."""
     same_latent: bool = False
     """Share the initial noise within a prompt group."""
-    reshard_after_forward: Optional[bool] = None
-    """parallel.reshard_after_forward (None: auto, see :func:`keep_parameters_gathered`)."""
+    reshard_after_forward: ReshardValue = "auto"
+    """parallel.reshard_after_forward: true, false, "rollout", or an unresolved auto (see :func:`gather_mode`)."""
     async_scoring: bool = False
     """reward.async_scoring: score each group in the background during the next group's rollout."""
     reward_weights: Optional[tuple[float, ...]] = None
@@ -205,10 +205,10 @@ class StepPlan:
         return selection_varies_across_ranks(self.selection["method"], layout=self.layout,
                                              group_size=self.group_size, dp_size=ctx.dp_size)
 
-    def keeps_gathered(self, ctx: ParallelContext) -> bool:
-        """Whether FSDP2 keeps the parameters gathered from the first forward to the optimizer step."""
-        return keep_parameters_gathered(self.reshard_after_forward, schedule=self.schedule,
-                                        varies=self.selection_varies(ctx))
+    def gather_mode(self, ctx: ParallelContext) -> str:
+        """How FSDP2 gathers the parameters in a step: forward, rollout or step
+        (:mod:`leangrpo_mcore.parallel.gathering`)."""
+        return gather_mode(self.reshard_after_forward, schedule=self.schedule, varies=self.selection_varies(ctx))
 
     def schedule_options(self, name: str) -> dict:
         """Constructor options of schedule ``name``."""
@@ -230,11 +230,11 @@ class StepPlan:
             raise ValueError("reward.async_scoring with parallel.cp > 1 is not supported yet: set one of them off")
         if ctx.layout.pp > 1 and self.async_scoring:
             raise ValueError("reward.async_scoring with parallel.pp > 1 is not supported yet: set one of them off")
-        if (self.schedule == "reweight" and self.reshard_after_forward and int(ctx.layout.dp_shard) > 1
+        if (self.schedule == "reweight" and self.gather_mode(ctx) == "forward" and int(ctx.layout.dp_shard) > 1
                 and self.selection_varies(ctx)):
             raise ValueError(f"Reweight with {sel['method']} selection trains different steps on different ranks: "
                              "its immediate backwards cannot regather FSDP2 blocks in step; set "
-                             "parallel.reshard_after_forward=false (or null)")
+                             "parallel.reshard_after_forward=false, rollout or auto")
         if sel["method"] == "dance_grpo" and self.micro_batch > 1:
             raise ValueError("dance_grpo selection trains different steps per sample: use schedule.micro_batch=1")
         if self.prompts_per_step % self.updates_per_rollout:
@@ -369,6 +369,8 @@ class StepEngine:
         self._scorer: Optional[ThreadPoolExecutor] = None
         self.active_schedule = None
         """The schedule of the update in progress (or last run)."""
+        self.gathering: Optional[StepGathering] = None
+        """The FSDP2 gathering of the step in progress (set when a step starts)."""
         self.phase_listener: Optional[Callable[[str, bool], None]] = None
         """Told of every phase of a step entered and left (see :class:`PhaseTimer`)."""
 
@@ -397,13 +399,13 @@ class StepEngine:
         link = getattr(self.velocity_fn, "link", None)
         if link is not None:  # pipeline stages: the waits for other stages are timed in this step
             link.phase = timer.phase
-        reshard_policy(self.policy)  # a forward outside the engine (samples, probes) may have left units gathered
-        set_gathered(self.policy, plan.keeps_gathered(self.ctx))
+        self.gathering = StepGathering(self.policy, plan.gather_mode(self.ctx))
         first = self._schedule(plan.schedule, timer)
         self.active_schedule = first
         first.begin_update(loss_weight(plan.samples_per_update, plan.steps_per_sample))
         records: list[GroupRecord] = []
         for record, schedule in self._scored_groups(inputs, first, timer):
+            self.gathering.update()
             if schedule is not None:
                 schedule.on_group_rewards(record.update)
             if not plan.global_std:
@@ -439,6 +441,7 @@ class StepEngine:
         scoring = None
         for share in sorted(self.shares, key=lambda s: (plan.update_of(s.prompt_slot), s.prompt_slot)):
             schedule = first if plan.update_of(share.prompt_slot) == 0 else None
+            self.gathering.rollout()
             group = self._roll_out_group(inputs, share, schedule, timer)
             if not plan.async_scoring:
                 yield group, schedule
@@ -622,6 +625,7 @@ class StepEngine:
 
     def _finish(self, schedule, timer: PhaseTimer) -> UpdateResult:
         """Finish the schedule's update, clip, step the optimizer; statistics over the ranks."""
+        self.gathering.update()
         stats: UpdateStats = schedule.finish_update()
         reshard_policy(self.policy)  # gathered parameters would be stale after the optimizer step
         with timer.phase("clip"):

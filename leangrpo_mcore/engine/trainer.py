@@ -313,7 +313,9 @@ class Trainer:
 
     def __init__(self, config: Config, dist_ctx: DistContext, logger: logging.Logger) -> None:
         self.dist, self.log = dist_ctx, logger
-        self.config = config = build.resolve_plan(config, dist_ctx.world_size, logger)
+        self.planned = frozenset(build.auto_keys(config))
+        """The keys the user left auto: the planner's resolution of them may differ between launches."""
+        self.config = config = build.resolve_plan(config, dist_ctx, logger)
         self.schedule = config.schedule.name
         self.run_dir = RunDir(config.train.output_dir)
         self.resume_path = first_error(self._resume_target)
@@ -335,9 +337,6 @@ class Trainer:
                         plan.provisional_dtype or "the gradient dtype",
                         ", folding each group and scaling once by the global std" if plan.global_fold else "",
                         f"; {plan.note}" if plan.note else "")
-        if config.parallel.reshard_after_forward is None and self.engine.plan.keeps_gathered(self.pctx):
-            logger.info("FSDP2 keeps the parameters gathered through each step: %s trains different steps on "
-                        "different ranks (parallel.reshard_after_forward=null)", config.grpo.timestep_selection)
         self.evaluator = self._evaluator()
         self.guard = NonFiniteGuard(self.parts.optimizer)
         self.state = LoopState()
@@ -442,7 +441,7 @@ class Trainer:
             self.log.warning("resume: %s holds no readable config.yaml; the config is not compared", path)
             return False
         changes = config_changes(saved, self.config, saved_fingerprint=checkpoint.read_state(path).get(
-            "prompts_fingerprint"), fingerprint=self.prompts_fingerprint)
+            "prompts_fingerprint"), fingerprint=self.prompts_fingerprint, planned=self.planned)
         refused = [c for c in changes if not c.applied]
         if refused and not self.config.train.allow_config_change:
             raise UserError(refusal(path, refused))

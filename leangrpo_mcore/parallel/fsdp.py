@@ -60,7 +60,7 @@ def apply_fsdp(
     ``model.blocks()`` gives the transformer blocks (each its own FSDP unit); the remaining parameters
     (embedders, final layer) form the root unit.
 
-    The step engine sets the resharding of each step with :func:`set_gathered`.
+    The step engine sets the resharding of each step with :class:`StepGathering`.
     """
     mesh = ctx.dp_mesh
     if mesh is None and cast_only and ctx.world_size == 1:
@@ -108,3 +108,36 @@ def reshard_policy(model: torch.nn.Module) -> None:
     """
     for module in fsdp_modules(model):
         module.reshard()
+
+
+class StepGathering:
+    """The gathering mode of one step (:mod:`leangrpo_mcore.parallel.gathering`) applied to a policy's FSDP2 units.
+
+    The engine calls :meth:`rollout` before each prompt group's rollout and :meth:`update` before the gradient
+    work that follows it. ``forward`` regathers at every use, ``step`` keeps everything gathered until the
+    optimizer step (:func:`reshard_policy`), ``rollout`` keeps the units gathered through a rollout and frees
+    them before the update, whose passes regather.
+    """
+
+    def __init__(self, model: torch.nn.Module, mode: str) -> None:
+        from leangrpo_mcore.parallel.gathering import GATHER_MODES
+
+        if mode not in GATHER_MODES:
+            raise ValueError(f"unknown gathering mode {mode!r}; valid: {', '.join(GATHER_MODES)}")
+        self.model, self.mode = model, mode
+        self.gathered = mode != "forward"
+        reshard_policy(model)  # a forward outside the engine (samples, probes) may have left units gathered
+        set_gathered(model, self.gathered)
+
+    def rollout(self) -> None:
+        """A prompt group's rollout starts: under ``rollout`` its first forward gathers each unit for all of it."""
+        if self.mode == "rollout" and not self.gathered:
+            set_gathered(self.model, True)
+            self.gathered = True
+
+    def update(self) -> None:
+        """A group's update starts: under ``rollout`` the gathered units are freed, so its passes regather."""
+        if self.mode == "rollout" and self.gathered:
+            reshard_policy(self.model)
+            set_gathered(self.model, False)
+            self.gathered = False

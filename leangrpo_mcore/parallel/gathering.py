@@ -1,13 +1,28 @@
-"""When FSDP2 keeps a step's parameters gathered (pure Python: the planner uses it too).
+"""When FSDP2 gathers a step's parameters (pure Python: the planner uses it too).
 
 FSDP2 frees a block's gathered parameters after its forward and backward and gathers them again at the next
-use, a collective every data-parallel rank must join in the same order. Reweight backpropagates each trained
-step at once, so when ranks train different steps their backwards would pair one rank's all-gathers with
-another rank's all-gathers of other blocks. Kept gathered from the first forward to the optimizer step, a step
-issues no parameter collective after the first gather and the ranks need not agree.
+use, a collective every data-parallel rank must join in the same order. A step of T denoising steps regathers
+every block T times per micro-batch for the rollout alone. Three modes (``parallel.reshard_after_forward``):
+
+- ``forward`` (true): gather for every forward and backward, free after it (least memory);
+- ``rollout``: gathered once per prompt group for its rollout, freed before the group's update (the rollout's
+  no-grad forwards, and Retain's and Reweight's trained steps inside it, issue no parameter collective);
+- ``step`` (false): gathered from the step's first forward to the optimizer step: each block is gathered once
+  per update, whatever the steps, micro-batches and groups (the most memory).
+
+Reweight backpropagates each trained step at once, so when ranks train different steps their backwards would
+pair one rank's all-gathers with another rank's all-gathers of other blocks: it needs ``rollout`` or ``step``.
 """
 
 from __future__ import annotations
+
+from typing import Any, Union
+
+GATHER_MODES = ("forward", "rollout", "step")
+"""The gathering modes, from the least memory to the fewest all-gathers."""
+
+ReshardValue = Union[bool, str, None]
+"""A ``parallel.reshard_after_forward`` value: true, false, "rollout", or "auto" / null (unresolved)."""
 
 
 def selection_varies_across_ranks(method: str, *, layout: str, group_size: int, dp_size: int) -> bool:
@@ -24,13 +39,31 @@ def selection_varies_across_ranks(method: str, *, layout: str, group_size: int, 
     return True
 
 
-def keep_parameters_gathered(reshard_after_forward: bool | None, *, schedule: str, varies: bool) -> bool:
-    """FSDP2 gathering for a step: ``parallel.reshard_after_forward`` resolved (None = auto), negated.
+def gather_mode(reshard_after_forward: ReshardValue, *, schedule: str, varies: bool) -> str:
+    """The gathering mode of ``parallel.reshard_after_forward`` (one of :data:`GATHER_MODES`).
 
-    Auto keeps parameters gathered for Reweight when ranks train different steps: its immediate backwards
-    would otherwise pair one rank's backward all-gathers with another rank's forward all-gathers of other
-    blocks. Gathered parameters issue no collective until the reduction, so the ranks need not agree.
+    An unresolved ``auto`` (a run the layout planner did not resolve, e.g. a benchmark that keeps the config's
+    layout) gathers per forward, except for Reweight when ranks train different steps, which keeps the step's
+    parameters gathered: its immediate backwards would otherwise pair one rank's backward all-gathers with
+    another rank's forward all-gathers of other blocks.
     """
-    if reshard_after_forward is None:
-        return schedule == "reweight" and varies
-    return not reshard_after_forward
+    if reshard_after_forward is True:
+        return "forward"
+    if reshard_after_forward is False:
+        return "step"
+    if reshard_after_forward == "rollout":
+        return "rollout"
+    if reshard_after_forward in (None, "auto"):
+        return "step" if schedule == "reweight" and varies else "forward"
+    raise ValueError(f"parallel.reshard_after_forward must be true, false, rollout or auto, got "
+                     f"{reshard_after_forward!r}")
+
+
+def reshard_value(mode: str) -> Any:
+    """The ``parallel.reshard_after_forward`` value that selects gathering mode ``mode``."""
+    return {"forward": True, "rollout": "rollout", "step": False}[mode]
+
+
+def keep_parameters_gathered(reshard_after_forward: ReshardValue, *, schedule: str, varies: bool) -> bool:
+    """Whether the parameters stay gathered through the rollout (mode ``rollout`` or ``step``)."""
+    return gather_mode(reshard_after_forward, schedule=schedule, varies=varies) != "forward"

@@ -6,10 +6,12 @@ time models (:mod:`.cost_model`, :mod:`.activations` with its fit, :mod:`.pipeli
 (:mod:`.simulate`, :mod:`.sim_mode`, :mod:`.simulate_plan`). See ``docs/planning.md``.
 
 The planner imports the runtime (``parallel``, ``engine``, ``models``); the runtime reaches the planner only
-through :func:`plan_for_config`, which ``schedule.name: auto`` calls to pick the schedule and the data-parallel
-degrees. Everything here but the simulator is pure Python (no torch).
+through this package entry (:func:`plan_for_config` and the two helpers beside it), with which the trainer
+resolves a config's ``auto`` keys: the schedule, the data-parallel degrees, the FSDP2 gathering and activation
+checkpointing. Everything here but the simulator is pure Python (no torch).
 """
 
-from leangrpo_mcore.planner.layout import plan_for_config
+from leangrpo_mcore.planner.layout import override_values, plan_for_config
+from leangrpo_mcore.planner.workload import hardware_preset
 
-__all__ = ["plan_for_config"]
+__all__ = ["hardware_preset", "override_values", "plan_for_config"]

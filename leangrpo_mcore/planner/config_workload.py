@@ -85,14 +85,20 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
         arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=selected_steps_of(config),
         group_size=config.grpo.group_size, prompts_per_step=config.grpo.prompts_per_step,
         micro_batch=config.schedule.micro_batch, lora_rank=m.lora.rank, lora_targets=targets,
-        precision=precision_from_config(config), activation_checkpointing=m.activation_checkpointing,
+        precision=precision_from_config(config),
+        activation_checkpointing=None if m.activation_checkpointing == "auto" else m.activation_checkpointing,
         kl_beta=config.grpo.kl_beta, cfg=s.cfg_scale > 1.0, updates_per_rollout=config.grpo.updates_per_rollout,
         reward_seconds=reward_seconds, reward_mem_bytes=int(reward_mem_gb * GiB), decode_bytes=decode_bytes,
         reward_model_bytes=scorer.weights_bytes, reward_activation_bytes=scorer.activation_bytes,
         reward_model=scorer.name, optimizer=config.optim.name,
-        momentum=config.optim.momentum, reshard_after_forward=config.parallel.reshard_after_forward,
+        momentum=config.optim.momentum, reshard_after_forward=_reshard(config.parallel.reshard_after_forward),
         selection=config.grpo.timestep_selection,
         reweight_accumulate=reweight_plan_of(config).accumulate, coalesce_sync=config.schedule.coalesce_sync,
         global_std=config.grpo.global_std, reweight_global_fold=reweight_plan_of(config).global_fold,
         reweight_note=reweight_plan_of(config).note,
         layout=config.parallel.layout, async_scoring=config.reward.async_scoring)
+
+
+def _reshard(value: Any) -> Any:
+    """``parallel.reshard_after_forward`` for the workload: null is auto (the planner tries every mode)."""
+    return "auto" if value is None else value

@@ -38,7 +38,7 @@ from leangrpo_mcore.planner.arch_specs import (
     stage_spec,
     tp_allreduce_elements,
 )
-from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
+from leangrpo_mcore.planner.gather_cost import full_gathers, gather_seconds, gathered_elements, mode_of, refused_mode
 from leangrpo_mcore.planner.workload import SCHEDULES, Hardware, Layout, Shape, Workload, sample_shape
 
 
@@ -67,20 +67,12 @@ def _reweight_buffers(work: Workload, shape: Shape) -> int:
     return live + (1 if work.kl_beta > 0 else 0)  # KL: a separate unscaled accumulator
 
 
-def _for_schedule(work: Workload, layout: Layout, schedule: str) -> Workload:
-    """``work`` with ``reshard_after_forward`` resolved for ``schedule`` (None: the engine's automatic choice)."""
-    if work.reshard_after_forward is not None:
-        return work
-    varies = selection_varies_across_ranks(work.selection, layout=work.layout, group_size=work.group_size,
-                                           dp_size=layout.dp)
-    gathered = keep_parameters_gathered(None, schedule=schedule, varies=varies)
-    return replace(work, reshard_after_forward=not gathered)
-
-
-def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage: int = 0) -> dict[str, int]:
+def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage: int = 0,
+                  mode: str = "forward") -> dict[str, int]:
     """Every memory term (bytes per GPU of pipeline stage ``stage``) the phases combine, and the counts that
     scale them. A stage holds its own layers' parameters, gradients, optimizer state and activations, and the
-    whole trajectory (every stage takes the same SDE steps)."""
+    whole trajectory (every stage takes the same SDE steps). ``mode`` is the FSDP2 gathering mode
+    (:mod:`leangrpo_mcore.planner.gather_cost`)."""
     prec, s, shape = work.precision, layout.shard_ranks, sample_shape(work, layout)
     arch = stage_spec(work.arch, layout.pp, stage)
     cp = layout.cp
@@ -89,13 +81,10 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
         arch, work.lora_rank, work.lora_targets, layout.tp)
     frozen = 0 if work.full_finetune else params
     opt_bytes = {"adamw": 2 * prec.storage_bytes, "sgd": prec.storage_bytes if work.momentum else 0}[work.optimizer]
-    root = sum(lin.params for lin in arch.root)
-    gathered = params if not work.reshard_after_forward else 2 * largest_block_params(arch, layout.tp) + root
+    gathered_rollout, gathered_update = gathered_elements(arch, layout, mode)
     # FSDP2 stages one block's unsharded gradient before reducing it; without FSDP (no rank outside TP) the
     # forward uses the stored parameters and backward writes straight into their gradients.
     block_grad = largest_block_params(arch, layout.tp) * prec.buffer_bytes if layout.fsdp else 0
-    if not layout.fsdp:
-        gathered = 0
     cfg = 2 if work.cfg else 1
     batch = shape.micro_batch * cfg
     dtype = 2 if prec.compute_bytes <= 2 else 4
@@ -122,7 +111,8 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
                                            * prec.storage_bytes / s),
         "optimizer": math.ceil(trainable * opt_bytes / s),
         "grads": math.ceil(trainable * prec.grad_bytes / s),
-        "gathered_params": gathered * prec.compute_bytes,
+        "gathered_rollout": gathered_rollout * prec.compute_bytes,
+        "gathered_update": gathered_update * prec.compute_bytes,
         "reference": math.ceil(params * prec.compute_bytes / s) if work.kl_beta > 0 and work.full_finetune else 0,
         "reserved": hw.overhead_bytes + work.reward_mem_bytes,
         "reward_model": work.reward_model_bytes if scores else 0,
@@ -183,9 +173,12 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
     """
     if schedule not in SCHEDULES:
         raise UserError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
-    work = _for_schedule(work, layout, schedule)
-    m = _memory_terms(work, hw, layout, ac, stage)
-    base = {k: m[k] for k in ("weights", "optimizer", "gathered_params", "reference", "reserved", "reward_model")}
+    m = _memory_terms(work, hw, layout, ac, stage, mode_of(work, layout, schedule))
+    # The phases inside a rollout (its forwards, Reweight's provisional gradients, Retain's graphs, scoring)
+    # hold the rollout's gathered parameters; the update's phases the update's.
+    update = {k: m[k] for k in ("weights", "optimizer", "reference", "reserved", "reward_model")}
+    base = {**update, "gathered_params": m["gathered_rollout"]}
+    update["gathered_params"] = m["gathered_update"]
     unsharded = m["gradient_buffer"] if _coalesced(work, schedule) else 0
     sharded = 0 if _coalesced(work, schedule) else m["grads"]
     trajectories = m["trajectory"] * (m["samples"] if schedule == "native" else 1)
@@ -199,10 +192,10 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
     if _coalesced(work, schedule) or work.updates_per_rollout > 1:
         # Reducing the unsharded gradient into the sharded one holds both; one data-parallel rank just moves it.
         staged = m["gradient_buffer"] if layout.fsdp else 0
-        phases["gradient_sync"] = {**base, "grads": m["grads"], "unsharded_grads": staged}
+        phases["gradient_sync"] = {**update, "grads": m["grads"], "unsharded_grads": staged}
     if schedule == "native" or work.updates_per_rollout > 1:
         phases["native_update"] = {
-            **base, "grads": sharded, "unsharded_grads": unsharded, "trajectories": m["trajectory"] * m["samples"],
+            **update, "grads": sharded, "unsharded_grads": unsharded, "trajectories": m["trajectory"] * m["samples"],
             "activations": m["activations_step"] * m["in_flight"], "backward_transient": m["backward_transient"]}
     # Retain's graphs: |S| per generation of a group; with the global std the advantages wait for the step's
     # last reward, so every group's graphs are kept.
@@ -286,12 +279,17 @@ def _rates(work: Workload, hw: Hardware, layout: Layout, ac: bool, arch: Optiona
                   cp_forward * (2.0 if ac else 1.0))
 
 
-def _sync_seconds(work: Workload, hw: Hardware, layout: Layout, trainable: int) -> float:
-    """One gradient synchronisation: reduce-scatter in the node, all-reduce of the shard across replicas."""
+def _sync_seconds(work: Workload, hw: Hardware, layout: Layout, trainable: int, arch: ArchSpec) -> float:
+    """One gradient synchronisation: reduce-scatter in the node, all-reduce of the shard across replicas (each a
+    collective per FSDP unit)."""
     payload = trainable * work.precision.buffer_bytes
     s, r = layout.shard_ranks, layout.dp_replicate
-    seconds = (s - 1) / s * payload / (hw.intra_node_gbps * 1e9)
+    units = sum(block.count for block in arch.blocks) + 1
+    seconds = (s - 1) / s * payload / (hw.reduce_scatter_rate * 1e9) + (units * hw.collective_latency_s if s > 1
+                                                                      else 0.0)
     replica_bw = hw.inter_node_gbps if layout.stage_ranks > hw.gpus_per_node else hw.intra_node_gbps
+    if r > 1:
+        seconds += units * hw.collective_latency_s
     return seconds + 2.0 * (r - 1) / r * payload / s / (replica_bw * 1e9)
 
 
@@ -327,7 +325,6 @@ def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: b
     ``p2p`` (stage-boundary transfers) and ``pipeline_bubble`` (waiting for the other stages), from the
     makespans of :mod:`leangrpo_mcore.planner.pipeline_time`.
     """
-    work = _for_schedule(work, layout, schedule)
     if layout.pp == 1:
         return {**_stage_time(work, hw, layout, schedule, ac, work.arch), "p2p": 0.0, "pipeline_bubble": 0.0}
     stages = [stage_spec(work.arch, layout.pp, k) for k in range(layout.pp)]
@@ -411,13 +408,8 @@ def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac:
     forwards, backwards = _passes(work, schedule, layout.pp)
     # Reweight runs each trained sample's forward and backward alone (batch 1) whatever the micro-batch B: B
     # per-sample forwards and backwards, the work charged per sample below (no B backwards of a batched graph).
-    params = params_per_rank(arch, layout.tp) * work.precision.compute_bytes
     shards = layout.shard_ranks
-    gather = (shards - 1) / shards * params / (hw.intra_node_gbps * 1e9)
-    gathers = mb * (forwards + backwards) if work.reshard_after_forward else mb * (1 + extra)
-    if schedule == "reweight" and work.reshard_after_forward:  # the per-sample passes gather once per sample
-        alone = forwards - work.num_steps + steps
-        gathers = mb * (forwards - alone) + n * (alone + backwards)
+    gathers = full_gathers(work, shape, schedule, mode_of(work, layout, schedule), forwards, backwards)
     grad_bytes = trainable * work.precision.buffer_bytes
     # Unsharded accumulation reads and writes the buffer once per backward; Reweight also scales and sums
     # its Q per-sample buffers once per group.
@@ -433,10 +425,10 @@ def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac:
             _reweight_parts(work, layout.pp) - 1 if schedule == "reweight" else 0)),
         "reference_forward": n * steps * rates.forward if kl else 0.0,
         "backward": n * backwards * rates.backward,
-        "fsdp_all_gather": gathers * gather,
+        "fsdp_all_gather": gathers * gather_seconds(work, hw, layout, arch),
         "tp_all_reduce": n * (forwards + backwards) * rates.tp_per_pass,
         "cp_all_to_all": n * (forwards * rates.cp_forward + backwards * rates.cp_backward),
-        "grad_sync": _sync_count(work, shape, schedule) * _sync_seconds(work, hw, layout, trainable),
+        "grad_sync": _sync_count(work, shape, schedule) * _sync_seconds(work, hw, layout, trainable, arch),
         "grad_buffers": buffer_traffic,
         "optimizer": work.updates_per_rollout * optimizer_bytes / (hw.hbm_gbps * 1e9),
         "reward": n * work.reward_seconds,
@@ -451,6 +443,8 @@ class Estimate:
     layout: Layout
     activation_checkpointing: bool
     shape: Optional[Shape]
+    gather_mode: str = "forward"
+    """FSDP2 gathering (:mod:`leangrpo_mcore.parallel.gathering`): forward, rollout or step."""
     peak_mem_bytes: int = 0
     peak_phase: str = ""
     memory: dict = field(default_factory=dict)
@@ -479,24 +473,28 @@ def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bo
              stage: Optional[int] = None) -> Estimate:
     """Memory and time of one choice; an infeasible layout gets ``feasible=False`` and the reason. The memory is
     that of pipeline stage ``stage`` (default: the heaviest one)."""
+    mode = mode_of(work, layout, schedule)
     try:
         shape = sample_shape(work, layout)
     except UserError as err:
-        return Estimate(schedule, layout, ac, None, feasible=False, note=str(err))
+        return Estimate(schedule, layout, ac, None, mode, feasible=False, note=str(err))
+    if refused_mode(work, layout, schedule, mode):
+        return Estimate(schedule, layout, ac, shape, mode, feasible=False, note=refused_mode(work, layout, schedule,
+                                                                                             mode))
     prec = work.precision
     if prec.storage_bytes != prec.compute_bytes and not layout.fsdp:
         # the trainer refuses it too: only FSDP2 casts master weights to the compute dtype
-        return Estimate(schedule, layout, ac, shape, feasible=False,
+        return Estimate(schedule, layout, ac, shape, mode, feasible=False,
                         note="no data-parallel ranks: nothing casts the fp32 master weights to the compute dtype")
     if stage is None:
         stage, phases = heaviest_stage(work, hw, layout, schedule, ac)
     else:
         phases = memory_phases(work, hw, layout, schedule, ac, stage)
     phase = max(phases, key=lambda p: sum(phases[p].values()))
-    est = Estimate(schedule, layout, ac, shape, peak_mem_bytes=sum(phases[phase].values()), peak_phase=phase,
+    est = Estimate(schedule, layout, ac, shape, mode, peak_mem_bytes=sum(phases[phase].values()), peak_phase=phase,
                    memory=phases[phase], time=step_time(work, hw, layout, schedule, ac), phases=phases)
     est.fits = hw.gpu_mem_bytes is None or est.peak_mem_bytes <= hw.gpu_mem_bytes
-    terms = _memory_terms(_for_schedule(work, layout, schedule), hw, layout, ac, stage)
+    terms = _memory_terms(work, hw, layout, ac, stage, mode)
     est.details = {"heaviest_stage": stage,"activations_per_step_bytes": terms["activations_step"],
                    "activations_per_sample_bytes": terms["activations_sample_step"],
                    "gradient_bytes": terms["gradient_buffer"],

@@ -16,6 +16,7 @@ from typing import Optional
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.config.loader import build_config
 from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.parallel.gathering import reshard_value
 from leangrpo_mcore.planner.arch_specs import BUILTIN_PRESETS
 from leangrpo_mcore.planner.cost_model import Estimate
 from leangrpo_mcore.planner.layout import Plan
@@ -55,12 +56,13 @@ def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_sc
 
 
 def candidate_config(config: Config, est: Estimate) -> Config:
-    """``config`` with the candidate's schedule, parallel degrees and activation checkpointing."""
+    """``config`` with the candidate's schedule, parallel degrees, FSDP2 gathering and activation checkpointing."""
     if config.model.fp8 is not None:
         raise UserError("--simulate runs on the CPU without Transformer Engine: simulate the bf16 equivalent "
                         "(model.fp8=null); the planner budgets FP8 activations as bf16 too")
     parallel = dataclasses.replace(config.parallel, tp=est.layout.tp, cp=est.layout.cp,
-                                   dp_shard=est.layout.dp_shard, dp_replicate=est.layout.dp_replicate)
+                                   dp_shard=est.layout.dp_shard, dp_replicate=est.layout.dp_replicate,
+                                   reshard_after_forward=reshard_value(est.gather_mode))
     model = dataclasses.replace(config.model, backend="local", activation_checkpointing=est.activation_checkpointing)
     schedule = dataclasses.replace(config.schedule, name=est.schedule)
     return dataclasses.replace(config, parallel=parallel, model=model, schedule=schedule)

@@ -7,7 +7,7 @@ Pure Python dataclasses shared by :mod:`leangrpo_mcore.planner.cost_model` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.planner.arch_specs import ArchSpec
@@ -62,6 +62,11 @@ class Hardware:
     """GPU memory bandwidth, GB/s (gradient-buffer and optimizer traffic)."""
     overhead_bytes: int = int(1.5 * GiB)
     """Per-GPU memory outside tensors: CUDA context, NCCL buffers, allocator fragmentation."""
+    reduce_scatter_gbps: Optional[float] = None
+    """Reduce-scatter bus bandwidth per GPU inside a node, GB/s (None: ``intra_node_gbps``; gloo's
+    reduce-scatter is several times slower than its all-reduce)."""
+    collective_latency_s: float = 2e-5
+    """Launch latency of one collective, s (FSDP2 issues one per unit and gather or reduction)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -69,6 +74,8 @@ class Hardware:
         rates = (self.gpu_tflops, self.efficiency, self.intra_node_gbps, self.inter_node_gbps, self.hbm_gbps)
         if min(rates) <= 0 or self.efficiency > 1:
             raise UserError("GPU TFLOP/s, bandwidths and efficiency must be positive (efficiency at most 1)")
+        if (self.reduce_scatter_gbps is not None and self.reduce_scatter_gbps <= 0) or self.collective_latency_s < 0:
+            raise UserError("the reduce-scatter bandwidth must be positive and the collective latency >= 0")
         if self.gpu_mem_bytes is not None and self.gpu_mem_bytes <= 0:
             raise UserError(f"GPU memory must be positive, got {self.gpu_mem_bytes} bytes")
 
@@ -76,6 +83,29 @@ class Hardware:
     def world_size(self) -> int:
         """GPUs in the cluster."""
         return self.nodes * self.gpus_per_node
+
+    @property
+    def reduce_scatter_rate(self) -> float:
+        """Reduce-scatter bus bandwidth inside a node, GB/s."""
+        return self.reduce_scatter_gbps or self.intra_node_gbps
+
+
+CPU_HOST = {"gpu_tflops": 0.025, "efficiency": 0.5, "intra_node_gbps": 0.5, "inter_node_gbps": 0.1,
+            "reduce_scatter_gbps": 0.17, "hbm_gbps": 5.0, "overhead_bytes": GiB, "collective_latency_s": 5e-4}
+"""Rates of a CPU host whose ranks are single-threaded processes joined by gloo (``leangrpo-plan --hardware
+cpu`` and the trainer's ``auto`` keys on CPU): a core's fp32 matmul rate, gloo's all-gather / all-reduce and
+(slower) reduce-scatter bandwidths and its per-collective latency, measured on a 2-core virtual machine (loaded:
+they rank layouts, they do not predict seconds)."""
+
+HARDWARE_KINDS = ("gpu", "cpu")
+"""Rate presets: ``gpu`` (the :class:`Hardware` defaults, an A100-class GPU) and ``cpu`` (:data:`CPU_HOST`)."""
+
+
+def hardware_preset(kind: str) -> dict:
+    """The :class:`Hardware` rates of a kind of device (``gpu``: the defaults)."""
+    if kind not in HARDWARE_KINDS:
+        raise UserError(f"unknown hardware kind {kind!r}; valid: {', '.join(HARDWARE_KINDS)}")
+    return dict(CPU_HOST) if kind == "cpu" else {}
 
 
 @dataclass(frozen=True)
@@ -116,8 +146,10 @@ class Workload:
     False: one parameter at a time (torch's default on CPU)."""
     optimizer: str = "adamw"
     momentum: float = 0.0
-    reshard_after_forward: Optional[bool] = None
-    """FSDP2 resharding (parallel.reshard_after_forward); None: the step engine's automatic choice per schedule."""
+    reshard_after_forward: Union[bool, str, None] = None
+    """FSDP2 gathering (parallel.reshard_after_forward): true, false or "rollout" fix it; "auto": the planner
+    tries every mode (:func:`~leangrpo_mcore.planner.layout.plan`); None: the step engine's fallback for an
+    unresolved auto (:func:`~leangrpo_mcore.parallel.gathering.gather_mode`)."""
     selection: str = "flow_grpo"
     """grpo.timestep_selection (whether ranks train different steps)."""
     reweight_accumulate: str = "per_sample"

@@ -33,11 +33,13 @@ def test_unsupported_combinations_are_refused():
 
     from leangrpo_mcore.diffusion.sampler import SDEParams
     from leangrpo_mcore.engine.build import resolve_plan
+    from leangrpo_mcore.engine.launch import DistContext
     from leangrpo_mcore.engine.step import StepPlan
     from leangrpo_mcore.schedules import Objective
 
     with pytest.raises(UserError, match="schedule.name=auto with parallel.cp > 1"):
-        resolve_plan(load_config(None, ["schedule.name=auto", "parallel.cp=2"]), 2, logging.getLogger("test"))
+        resolve_plan(load_config(None, ["schedule.name=auto", "parallel.cp=2"]),
+                     DistContext(0, 2, 0, torch.device("cpu"), "gloo", False), logging.getLogger("test"))
     sigmas = torch.linspace(1.0, 0.0, 5)
     plan = StepPlan(schedule="native", group_size=2, prompts_per_step=1, latent_shape=(4, 4), sigmas=sigmas,
                     sde=SDEParams.from_sigmas("dance_grpo", 0.3, sigmas), objective=Objective(),

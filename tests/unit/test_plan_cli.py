@@ -53,7 +53,10 @@ def test_table_output_and_config(capsys):
                  "--gpus-per-node", "2", "--gpu-mem-gb", "4"]) == 0
     text = capsys.readouterr().out
     assert "schedule: " in text and "placement (" in text and "M=4" in text
-    assert sum(1 for line in text.splitlines() if line.startswith(("native", "retain", "reweight"))) == 6
+    # 3 schedules x 2 layouts (FSDP over 2, or 2 replicas) x 3 FSDP2 gathering modes
+    assert sum(1 for line in text.splitlines() if line.startswith(("native", "retain", "reweight"))) == 18
+    run = [line for line in text.splitlines() if line.startswith("run it with: ")]
+    assert len(run) == 1 and "parallel.dp_shard=" in run[0] and "model.activation_checkpointing=false" in run[0]
 
 
 def test_refusal_exits_1_and_still_prints(capsys):

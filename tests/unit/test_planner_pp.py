@@ -294,8 +294,14 @@ def test_schedule_auto_plans_at_the_configs_pp():
     from leangrpo_mcore.engine.build import resolve_plan
     import logging
 
-    config = load_config("yaml_configs/tiny/flux.yaml", ["schedule.name=auto", "parallel.pp=2"])
-    result = plan_for_config(config, 2)
+    import torch
+
+    from leangrpo_mcore.engine.launch import DistContext
+    from leangrpo_mcore.planner import hardware_preset
+
+    config = load_config("yaml_configs/tiny/flux.yaml", ["schedule.name=auto", "parallel.pp=2",
+                                                         "parallel.memory_budget_gb=8"])
+    result = plan_for_config(config, 2, gpus_per_node=2, gpu_mem_gb=8, **hardware_preset("cpu"))
     assert result.layout.pp == 2 and result.schedule in ("native", "retain", "reweight")
-    resolved = resolve_plan(config, 2, logging.getLogger("test"))
+    resolved = resolve_plan(config, DistContext(0, 2, 0, torch.device("cpu"), "gloo", False), logging.getLogger("t"))
     assert resolved.schedule.name == result.schedule and resolved.parallel.pp == 2

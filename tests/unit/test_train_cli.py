@@ -174,7 +174,7 @@ def test_auto_schedule_runs_the_planner_and_records_its_choice(capsys, tmp_path)
     code, errors, output = _run(capsys, "--config", TINY_FLUX, f"train.output_dir={run}", "schedule.name=auto",
                                 "train.max_steps=1")
     assert code == 0 and not errors, output
-    assert "planner (schedule.name=auto): " in output
+    assert "auto layout: schedule.name=" in output
     from leangrpo_mcore.config import load_config
 
     chosen = load_config(str(run / "config.yaml")).schedule.name

@@ -1,0 +1,83 @@
+"""What FSDP2's gathering mode costs a step: gathered parameters held per phase, all-gathers issued (pure Python).
+
+The modes are the engine's (:mod:`leangrpo_mcore.parallel.gathering`): ``forward`` regathers each block for
+every forward and backward (two blocks and the root gathered at a time: FSDP2 prefetches the next block),
+``rollout`` keeps every block gathered through each prompt group's rollout and regathers in its update, ``step``
+keeps every block gathered from the step's first forward to the optimizer step. A "gather" below is one
+all-gather of every FSDP unit of the rank's model (its pipeline stage): ``(s - 1) / s`` of its parameters
+arrive over the data-parallel links, the unsharded copy is written once (FSDP2 copies out of the all-gather
+buffer even over a one-rank shard group), and each unit's collective pays the launch latency.
+"""
+
+from __future__ import annotations
+
+from leangrpo_mcore.parallel.gathering import GATHER_MODES, gather_mode, selection_varies_across_ranks
+from leangrpo_mcore.planner.arch_specs import ArchSpec, largest_block_params, params_per_rank
+from leangrpo_mcore.planner.workload import Hardware, Layout, Shape, Workload
+
+__all__ = ["GATHER_MODES", "mode_of", "gathered_elements", "full_gathers", "gather_seconds", "refused_mode"]
+
+
+def mode_of(work: Workload, layout: Layout, schedule: str) -> str:
+    """The gathering mode ``work`` runs ``schedule`` with on ``layout`` (an unresolved ``auto``: the engine's
+    fallback, :func:`~leangrpo_mcore.parallel.gathering.gather_mode`)."""
+    return gather_mode(work.reshard_after_forward, schedule=schedule, varies=_varies(work, layout))
+
+
+def _varies(work: Workload, layout: Layout) -> bool:
+    return selection_varies_across_ranks(work.selection, layout=work.layout, group_size=work.group_size,
+                                         dp_size=layout.dp)
+
+
+def refused_mode(work: Workload, layout: Layout, schedule: str, mode: str) -> str:
+    """Why the engine refuses ``mode`` for ``schedule`` on ``layout`` ('' when it runs it)."""
+    if mode == "forward" and schedule == "reweight" and layout.dp_shard > 1 and _varies(work, layout):
+        return (f"Reweight with {work.selection} selection trains different steps on different ranks: its "
+                f"immediate backwards cannot regather FSDP2 blocks in step")
+    return ""
+
+
+def gathered_elements(arch: ArchSpec, layout: Layout, mode: str) -> tuple[int, int]:
+    """(during a rollout, during an update) gathered parameter elements per rank of ``arch`` (0 without FSDP)."""
+    if not layout.fsdp:
+        return 0, 0
+    root = sum(lin.params for lin in arch.root)
+    everything = params_per_rank(arch, layout.tp)
+    few = min(2 * largest_block_params(arch, layout.tp) + root, everything)
+    return (few if mode == "forward" else everything), (everything if mode == "step" else few)
+
+
+def full_gathers(work: Workload, shape: Shape, schedule: str, mode: str, forwards: int, backwards: int) -> float:
+    """All-gathers of the whole model per rank and step (``forwards`` / ``backwards`` per sample: the cost
+    model's ``_passes``).
+
+    ``forward``: one per micro-batch pass (Reweight runs each trained sample alone: one per sample pass there).
+    ``step``: one per update (the optimizer step frees the gathered copies). ``rollout``: one per prompt group's
+    rollout, plus the update's passes (Native's recompute and backward, Retain's deferred backward, the KL
+    reference forwards, later updates; Reweight's trained passes run inside its rollout).
+    """
+    mb, n, steps = shape.micro_batches, shape.samples, work.selected_steps
+    extra = work.updates_per_rollout - 1
+    if mode == "step":
+        return float(1 + extra)
+    if mode == "forward":
+        if schedule != "reweight":
+            return float(mb * (forwards + backwards))
+        alone = forwards - work.num_steps + steps  # the per-sample passes gather once per sample
+        return float(mb * (forwards - alone) + n * (alone + backwards))
+    if schedule == "reweight":
+        return float(shape.groups_per_rank + mb * 2 * steps * extra)
+    return float(shape.groups_per_rank + mb * (forwards - work.num_steps + backwards))
+
+
+def gather_seconds(work: Workload, hw: Hardware, layout: Layout, arch: ArchSpec) -> float:
+    """Seconds of one all-gather of every FSDP unit of ``arch`` on a rank (0 without FSDP)."""
+    if not layout.fsdp:
+        return 0.0
+    data = params_per_rank(arch, layout.tp) * work.precision.compute_bytes
+    s = layout.shard_ranks
+    seconds = data / (hw.hbm_gbps * 1e9)  # the unsharded copy written out of the all-gather buffer
+    if s > 1:
+        units = sum(block.count for block in arch.blocks) + 1  # a unit per block, and the root
+        seconds += (s - 1) / s * data / (hw.intra_node_gbps * 1e9) + units * hw.collective_latency_s
+    return seconds
