@@ -482,8 +482,9 @@ def estimate(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bo
         return Estimate(schedule, layout, ac, shape, mode, feasible=False, note=refused_mode(work, layout, schedule,
                                                                                              mode))
     prec = work.precision
-    if prec.storage_bytes != prec.compute_bytes and not layout.fsdp:
-        # the trainer refuses it too: only FSDP2 casts master weights to the compute dtype
+    if prec.storage_bytes != prec.compute_bytes and not layout.fsdp and layout.world_size > 1:
+        # the trainer refuses it too: only FSDP2 casts master weights to the compute dtype (in a one-process world
+        # it wraps the policy over a one-rank mesh to cast)
         return Estimate(schedule, layout, ac, shape, mode, feasible=False,
                         note="no data-parallel ranks: nothing casts the fp32 master weights to the compute dtype")
     if stage is None:

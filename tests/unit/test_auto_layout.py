@@ -213,3 +213,17 @@ def test_the_planner_tries_every_mode_and_refuses_regathering_where_the_engine_d
                   tp=1, cp=1, pp=1)
     modes = {(c.layout.dp_shard, c.gather_mode) for c in result.candidates}
     assert modes == {(s, m) for s in (1, 2) for m in ("forward", "rollout", "step")}
+
+
+def test_one_process_casting_to_bf16_is_planned(monkeypatch):
+    """One process with bf16 forwards over fp32 master weights: FSDP2 over a one-rank mesh casts them, so the
+    layout is feasible (not the two-rank TP-only case, which the trainer refuses)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    config = load_config(os.path.join(ROOT, "yaml_configs/tiny/flux.yaml"),
+                         ["model.dtype=bfloat16", "parallel.memory_budget_gb=8"])
+    resolved = resolve_plan(config, _dist(1), LOG)
+    assert (resolved.parallel.dp_shard, resolved.parallel.dp_replicate) == (1, 1)
+    two_tp = load_config(os.path.join(ROOT, "yaml_configs/tiny/flux.yaml"),
+                         ["model.dtype=bfloat16", "parallel.tp=2", "schedule.name=auto"])
+    with pytest.raises(UserError, match="nothing casts"):
+        resolve_plan(two_tp, _dist(2), LOG)

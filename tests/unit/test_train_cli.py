@@ -177,8 +177,12 @@ def test_auto_schedule_runs_the_planner_and_records_its_choice(capsys, tmp_path)
     assert "auto layout: schedule.name=" in output
     from leangrpo_mcore.config import load_config
 
-    chosen = load_config(str(run / "config.yaml")).schedule.name
+    recorded = load_config(str(run / "config.yaml"))
+    chosen = recorded.schedule.name
     assert chosen in ("native", "retain", "reweight")
+    # the auto layout keys are recorded resolved (one process: nothing to shard, nothing to gather)
+    p = recorded.parallel
+    assert (p.dp_shard, p.dp_replicate, p.reshard_after_forward) == (1, 1, True)
     assert f"finished 1 / 1 steps ({chosen} schedule, world size 1)" in output
 
 
