@@ -170,8 +170,8 @@ class StepPlan:
         """The SDE window settings (:attr:`window`, or a random window of ``selection``'s size and range)."""
         if self.window is not None:
             return self.window
-        low, high = self.selection.get("window_range", (0, 1))
-        return SDEWindow(size=self.selection.get("window_size", 0), low=int(low), high=int(high))
+        bounds = self.selection.get("window_range", (0, 1))
+        return SDEWindow(size=self.selection.get("window_size", 0), low=int(bounds[0]), high=int(bounds[-1]))
 
     def window_start(self, step: int) -> Optional[int]:
         """The start of training step ``step``'s shared SDE window (None: drawn per prompt group, or no window):
@@ -261,8 +261,8 @@ class StepPlan:
                         sel.get("window_range", (0, 1)))
         window = self.sde_window
         window.check(self.num_steps, self.ode_solver)
-        low, high = sel.get("window_range", (0, 1))
-        if (window.size, window.low, window.high) != (sel.get("window_size", 0), int(low), int(high)):
+        bounds = sel.get("window_range", (0, 1))
+        if (window.size, window.low, window.high) != (sel.get("window_size", 0), int(bounds[0]), int(bounds[-1])):
             raise ValueError("the plan's window and its selection disagree on the window's size or range")
         check_layout(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step)
         if ctx.layout.cp > 1 and self.async_scoring:

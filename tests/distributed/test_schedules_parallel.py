@@ -44,7 +44,7 @@ def _all_configurations(rank: int, world_size: int) -> dict:
     runs.update(sharded_native=GATHERED.but(reshard=True), sharded_retain=GATHERED.but(schedule="retain", reshard=True),
                 auto_reweight=GATHERED.but(schedule="reweight"))
     for schedule in ("native", "retain", "reweight"):  # a shared window: Reweight may reshard
-        runs[f"mix_{schedule}"] = MIX_FLASH.but(schedule=schedule, reshard=True)
+        runs[f"mix_{schedule}"] = MIX_FLASH.but(schedule=schedule, reshard=True, sync="coalesced")
     out = {name: run_case(case) for name, case in runs.items()}
     try:
         run_case(GATHERED.but(schedule="reweight", reshard=True))
