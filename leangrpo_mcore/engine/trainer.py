@@ -570,6 +570,8 @@ class Trainer:
                "lr": lr, "skipped": int(skipped),
                "nonfinite_streak": self.state.nonfinite_streak, "time_step_s": elapsed}
         row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
+        if result.window_start is not None:
+            row["sde_window_start"] = result.window_start
         if result.peak_memory_bytes is not None:
             row["peak_memory_bytes"] = int(result.peak_memory_bytes)
         # ru_maxrss is in kB on Linux: the process's peak resident memory so far (CPU runs have no allocator peak).
