@@ -6,7 +6,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from leangrpo_mcore.config import ConfigError, load_config
+from leangrpo_mcore.config import ConfigError, build_config, load_config
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.window import SDEWindow, compress_after_window, compressed_indices, window_error
 from leangrpo_mcore.errors import UserError
@@ -107,3 +107,11 @@ def test_good_settings_pass():
 def test_the_config_refuses_out_of_range_values_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config("yaml_configs/tiny/flux.yaml", [override])
+
+
+def test_the_config_refuses_a_window_setting_before_any_heavy_work():
+    with pytest.raises(ConfigError, match=r"^sampler.ode_solver=dpmpp_2m needs an SDE window"):
+        build_config({"sampler": {"ode_solver": "dpmpp_2m"}})
+    with pytest.raises(ConfigError, match=r"^sampler.sde_window_range=\[4, 6\]"):
+        build_config({"sampler": {"num_steps": 6, "sde_window_size": 3, "sde_window_range": [4, 6]}})
+    assert build_config({"sampler": {"sde_window_size": 2, "sde_window_schedule": "progressive"}}).sampler.ode_solver == "euler"
