@@ -56,6 +56,7 @@ from leangrpo_mcore.models.common.dcp_blocks import (Block, BlockLoadPlanner, Bl
 from leangrpo_mcore.models.common.dcp_source import read_dcp_metadata
 from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout, tp_rank, tp_world_size  # noqa: F401
 from leangrpo_mcore.models.registry import family_for_config
+from leangrpo_mcore.parallel.mesh import default_group_timeout
 
 MARKER = manifest.MARKER
 STATE_FILE = "trainer_state.json"
@@ -316,7 +317,7 @@ def _writer_group() -> Optional[dist.ProcessGroup]:
     training collectives of the main thread (created once, collectively)."""
     global _WRITER_GROUP
     if _world() > 1 and _WRITER_GROUP is None:
-        _WRITER_GROUP = dist.new_group(backend="gloo")
+        _WRITER_GROUP = dist.new_group(backend="gloo", timeout=default_group_timeout())
     return _WRITER_GROUP
 
 
