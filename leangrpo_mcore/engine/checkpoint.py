@@ -477,7 +477,10 @@ def _newest_first(run_dir: RunDir) -> list[str]:
 
 
 def _set_aside_damaged(path: str, problem: str, warn: Any) -> None:
-    moved = set_aside(path)
+    try:
+        moved = set_aside(path)
+    except OSError as err:
+        raise UserError(f"checkpoint {path} is damaged ({problem}) and cannot be set aside: {err.strerror}") from None
     if warn is not None:
         warn(f"checkpoint {path} is damaged ({problem}); set aside as {moved}, trying the previous one")
 
