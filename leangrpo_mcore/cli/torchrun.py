@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+from leangrpo_mcore import __version__
+
 ONE_LINE_EXIT_CODES = (2, 124)
 """Exit codes of ranks that reported their failure in one ``error:`` line (bad input; a stall)."""
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
@@ -52,7 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    args = torchrun.parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:  # torchrun's own parser has no --version; every tool of the package answers it
+        print(f"leangrpo_mcore {__version__}")
+        raise SystemExit(0)
+    args = torchrun.parse_args(argv)
     quiet = _QuietOneLineFailures()
     logging.getLogger(_AGENT_LOGGER).addFilter(quiet)
     try:
