@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +110,20 @@ def test_only_a_collective_timeout_is_explained():
     assert explain_timeout(RewardError("remote: timed out after 60 s (reward.timeout_s)"), 60) is None
     line = explain_timeout(dist.DistBackendError("Watchdog caught collective operation timeout: timed out"), 90)
     assert line.startswith("a collective waited 90 s (parallel.timeout_minutes=1.5)"), line
+
+
+def test_the_trainer_cli_ends_a_collective_timeout_in_one_line_naming_the_key(monkeypatch, capsys, tmp_path):
+    from leangrpo_mcore.cli import train as train_cli
+    from leangrpo_mcore.engine import trainer
+    from tests.cli_helpers import run_cli
+
+    def stalled(config):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                           "6000ms for recv operation to complete")
+
+    monkeypatch.setattr(trainer, "train", stalled)
+    config = str(Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny" / "flux.yaml")
+    code, errors, out = run_cli(train_cli.main, capsys, "--config", config, "parallel.timeout_minutes=0.1",
+                                f"train.output_dir={tmp_path / 'run'}")
+    assert code == 124 and len(errors) == 1 and "Traceback" not in out, out
+    assert errors[0].startswith("error: a collective waited 6 s (parallel.timeout_minutes=0.1) for a rank"), errors
