@@ -316,7 +316,7 @@ class Trainer:
         self.config = config = build.resolve_plan(config, dist_ctx.world_size, logger)
         self.schedule = config.schedule.name
         self.run_dir = RunDir(config.train.output_dir)
-        self.resume_path = first_error(self._resume_target)
+        self.resume_path = self._resume_target()
         self.pctx = build.build_context(config, dist_ctx)
         build.check_layout_early(config, self.pctx)
         self.precision = build.precision_of(config, self.pctx)
@@ -373,8 +373,14 @@ class Trainer:
                          decoder=self.data.decoder, rewards=rewards, forward_context=forward)
 
     def _resume_target(self) -> Optional[str]:
+        """Collective: the checkpoint to resume (every rank verifies its share of it), or None after rank 0 has
+        checked that a fresh run may start in the directory."""
         spec = self.config.checkpoint.resume
         path = checkpoint.resolve_resume(spec, self.run_dir, warn=self.log.warning)
+        first_error(self._prepare_fresh, spec, path)
+        return path
+
+    def _prepare_fresh(self, spec: Optional[str], path: Optional[str]) -> None:
         if path is None and spec == "auto":
             # A launch stopped before its first checkpoint (preempted, killed) leaves metrics only: auto starts
             # afresh instead of refusing them, and keeps them aside.
@@ -384,7 +390,6 @@ class Trainer:
                                  os.path.basename(old), os.path.basename(new))
         if path is None:
             check_fresh_run(self.run_dir, overwrite=self.config.train.overwrite)
-        return path
 
     def _layout_record(self) -> dict:
         layout = self.pctx.layout
