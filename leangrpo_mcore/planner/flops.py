@@ -10,10 +10,12 @@ Counting rules (a multiply-add is 2 FLOPs; elementwise work, norms, softmax and 
   ``2·t·in·out`` for the input gradient, except for the embedders that read the model's inputs (nothing upstream
   needs a gradient), plus ``2·t·in·out`` for the weight gradient when the weight trains;
 - attention of ``s_q`` queries over ``s_kv`` keys, ``h`` heads of width ``d``: ``4·s_q·s_kv·d·h`` forward
-  (QKᵀ and PV), twice that backward;
+  (QKᵀ and PV), 2.5 times that backward (the four gradient products and the scores QKᵀ again, as flash
+  attention's backward computes them);
 - a LoRA adapter of rank ``r`` on such a layer: ``2·t·r·(in + out)`` forward, twice that backward (its weights
-  train); under LoRA the frozen layers upstream of every adapter (embedders, adaLN modulation of the timestep
-  embedding) compute no gradient at all, the others their input gradient only;
+  train); under LoRA a frozen layer computes its input gradient only where something upstream trains: not in
+  the embedders, the adaLN modulation of the timestep embedding, Wan's cross-attention keys and values of the
+  text, nor the first block's projections of its input;
 - activation checkpointing recomputes the transformer blocks' forward once per backward;
 - two-branch classifier-free guidance runs every pass on a batch of two.
 """
@@ -33,6 +35,10 @@ grad-enabled rollout forwards (recompute-free schedules), Native's recompute for
 # Root linears whose input is a model input (latents, text embeddings, sinusoidal timestep features).
 _ENTRY_LAYERS = ("x_embedder", "context_embedder", "patch_embedding", "linear_1")
 
+
+ATTENTION_BACKWARD = 2.5
+"""Backward over forward FLOPs of attention: dV = PᵀdO, dP = dO·Vᵀ, dQ = dS·K, dK = dSᵀQ and the recomputed
+scores QKᵀ, five products of the forward's two."""
 
 # The block linears that read the block's input residual streams (FLUX double / single, Wan), and Wan's
 # cross-attention keys and values, which read the text context no block updates.
@@ -57,6 +63,8 @@ class PassFlops:
     """One backward (input and weight gradients), without any recompute."""
     recompute: float
     """What activation checkpointing adds to one backward (the blocks' forward; 0 without it)."""
+    reference: float = 0.0
+    """One KL reference forward: :attr:`forward` without the LoRA adapters (the reference disables them)."""
     forward_attention: float = 0.0
     """The attention part of :attr:`forward` (QKᵀ and PV)."""
 
@@ -99,7 +107,7 @@ def pass_flops(arch: ArchSpec, tokens: dict[str, int], *, lora_rank: int = 0, lo
                checkpointing: bool = False, cfg: bool = False) -> PassFlops:
     """FLOPs of one forward / backward of one sample (module rules); ``cfg``: two branches per pass."""
     full = lora_rank == 0
-    forward = backward = blocks = attention = 0.0
+    forward = backward = blocks = attention = adapters = 0.0
     for lin in arch.root:
         f, b = _linear_pass(lin, tokens, rank=0, input_grad=_root_input_grad(lin, full), trains=full)
         forward, backward = forward + f, backward + b
@@ -112,15 +120,17 @@ def pass_flops(arch: ArchSpec, tokens: dict[str, int], *, lora_rank: int = 0, lo
             b_rest = _linear_pass(lin, tokens, rank=rank, trains=full,
                                   input_grad=_block_input_grad(lin, block.kind, False, full))[1]
             forward, blocks = forward + block.count * f, blocks + block.count * f
+            adapters += block.count * 2.0 * tokens[lin.stream] * rank * (lin.in_features + lin.out_features)
             backward += b_first + (block.count - 1) * b_rest
         first = False
         for q_stream, kv_stream in block.attention:
             scores = block.count * 4.0 * tokens[q_stream] * tokens[kv_stream] * arch.hidden_size
-            forward, backward, blocks, attention = (forward + scores, backward + 2.0 * scores, blocks + scores,
-                                                    attention + scores)
+            forward, blocks, attention = forward + scores, blocks + scores, attention + scores
+            backward += ATTENTION_BACKWARD * scores
     branches = 2.0 if cfg else 1.0
     return PassFlops(forward=branches * forward, backward=branches * backward,
-                     recompute=branches * blocks if checkpointing else 0.0, forward_attention=branches * attention)
+                     recompute=branches * blocks if checkpointing else 0.0, reference=branches * (forward - adapters),
+                     forward_attention=branches * attention)
 
 
 def step_passes(schedule: str, *, num_steps: int, selected_steps: int, kl: bool, pp: int = 1) -> dict[str, int]:
@@ -155,15 +165,11 @@ class StepFlops:
     """Sample-passes of the whole step: :data:`FORWARD_KINDS` forwards and ``backward``."""
 
     @property
-    def forwards(self) -> int:
-        """Sample-forwards of the step (every kind)."""
-        return sum(self.counts[k] for k in FORWARD_KINDS)
-
-    @property
     def total(self) -> float:
         """Model FLOPs of the step (every forward, backward and recompute of every sample)."""
-        p = self.passes
-        return self.forwards * p.forward + self.counts["backward"] * (p.backward + p.recompute)
+        p, c = self.passes, self.counts
+        policy = c["nograd"] + c["rollout_grad"] + c["recompute"]
+        return policy * p.forward + c["reference"] * p.reference + c["backward"] * (p.backward + p.recompute)
 
     def per_rank_counts(self, dp_size: int) -> dict[str, int]:
         """Sample-passes one data-parallel rank runs (every rank of a sample's TP/CP/PP group runs them all)."""
