@@ -169,3 +169,28 @@ def test_training_logs_throughput_of_each_step(capsys, tmp_path):
         assert row["samples_per_s_per_device"] == pytest.approx(4 / seconds)
         assert row["tflops_per_device"] == pytest.approx(total / seconds / 1e12)
         assert row["mfu"] == pytest.approx(total / seconds / 1e12 / 0.002)
+
+
+SMOKE_EVERYTHING = ["model.lora.rank=2", "grpo.kl_beta=0.1", "model.activation_checkpointing=true",
+                    "grpo.prompts_per_step=2", "grpo.updates_per_rollout=2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, overrides", [("yaml_configs/bench/smoke.yaml", SMOKE_EVERYTHING),
+                                               ("yaml_configs/tiny/wan.yaml", [])])
+def test_step_flops_equal_torch_flop_counter_over_whole_steps(config, overrides):
+    """LoRA, the KL reference, activation checkpointing and a second (Native) update on FLUX; two-branch CFG and
+    DanceGRPO selection on Wan: every matmul and attention of a real step of each schedule, as torch counts them."""
+    from leangrpo_mcore.bench.runner import Bench, BenchOptions
+    from leangrpo_mcore.engine.launch import DistContext
+
+    cfg = load_config(str(ROOT / config), overrides)
+    options = BenchOptions(schedules=("native", "retain", "reweight"), steps=1, warmup=0, measure_memory=False)
+    bench = Bench(cfg, options, DistContext(0, 1, 0, torch.device("cpu"), "gloo", False))
+    inputs = bench.inputs(0)
+    policy = type(bench.main.parts.policy).__name__  # the counts inside the policy: the reward's VAE decode is not
+    for label in options.schedules:
+        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
+            bench.step(label, inputs)
+        counted = sum(counter.get_flop_counts()[policy].values())
+        assert counted == step_flops_for_config(cfg, label).total, label
