@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.planner.arch_specs import _OUTPUT_LAYERS, ArchSpec, LinearSpec, _target_matches
+from leangrpo_mcore.planner.arch_specs import (_OUTPUT_LAYERS, DEFAULT_LORA_TARGETS, ArchSpec, LinearSpec,
+                                                _target_matches)
+from leangrpo_mcore.planner.config_workload import arch_of, selected_steps_of, tokens_of
 
 FORWARD_KINDS = ("nograd", "rollout_grad", "recompute", "reference")
 """Sample-forwards by kind, as the benchmark's forward probe sorts them: rollout forwards without gradients,
@@ -197,15 +199,16 @@ def step_flops(arch: ArchSpec, tokens: dict[str, int], *, schedule: str, num_ste
 
 def step_flops_for_config(config: Any, schedule: str | None = None) -> StepFlops:
     """The FLOPs of one step of an experiment config under ``schedule`` (default ``config.schedule.name``)."""
-    from leangrpo_mcore.planner.config_workload import workload_from_config
-
-    work = workload_from_config(config)
     name = schedule or config.schedule.name
     if name == "auto":
         raise UserError("schedule 'auto' must be resolved before counting a step's FLOPs")
-    return step_flops(work.arch, work.tokens, schedule=name, num_steps=work.num_steps,
-                      selected_steps=work.selected_steps, group_size=work.group_size,
-                      prompts_per_step=work.prompts_per_step, updates_per_rollout=work.updates_per_rollout,
-                      kl=work.kl_beta > 0, lora_rank=work.lora_rank, lora_targets=tuple(work.lora_targets),
-                      checkpointing=config.model.activation_checkpointing is True, cfg=work.cfg,
-                      pp=int(config.parallel.pp))
+    arch = arch_of(config)
+    lora = config.model.lora
+    targets = DEFAULT_LORA_TARGETS[arch.family] if lora.targets is None else tuple(lora.targets)
+    g = config.grpo
+    return step_flops(arch, tokens_of(config, arch), schedule=name, num_steps=config.sampler.num_steps,
+                      selected_steps=selected_steps_of(config), group_size=g.group_size,
+                      prompts_per_step=g.prompts_per_step, updates_per_rollout=g.updates_per_rollout,
+                      kl=g.kl_beta > 0, lora_rank=lora.rank, lora_targets=targets,
+                      checkpointing=config.model.activation_checkpointing is True,
+                      cfg=(config.sampler.cfg_scale or 1.0) > 1.0, pp=int(config.parallel.pp))
