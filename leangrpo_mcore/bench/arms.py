@@ -73,7 +73,9 @@ def layout_config(config: Config, layout: str, dp_size: int) -> Config:
 
 
 def layout_name(dp_shard: int, dp_replicate: int) -> str:
-    """``sharded``, ``replicated`` or ``hsdp RxS`` for resolved degrees (one data-parallel rank: ``sharded``)."""
+    """``sharded``, ``replicated`` or ``hsdp RxS`` for resolved degrees; ``single`` for one data-parallel rank."""
+    if dp_shard == dp_replicate == 1:
+        return "single"
     if dp_replicate == 1:
         return "sharded"
     return "replicated" if dp_shard == 1 else f"hsdp {dp_replicate}x{dp_shard}"

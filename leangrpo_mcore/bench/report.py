@@ -140,11 +140,11 @@ def is_native(label: str) -> bool:
 
 def baselines(schedules: dict[str, dict], meta: dict) -> dict:
     """The Natives the speedups are given over: ``best`` (fastest median of every Native label), ``fsdp`` (FSDP2
-    over every data-parallel rank with per-backward sync: ``native`` when that is the config's layout, else
-    ``native@sharded``) and every Native's median; a label is None when it was not timed."""
+    over every data-parallel rank with per-backward sync: ``native`` when that is the config's layout or there is
+    one data-parallel rank, else ``native@sharded``) and every Native's median; a label is None when not timed."""
     medians = {name: e["step_time_s"]["median"] for name, e in schedules.items() if is_native(name)}
     best = min(medians, key=medians.get) if medians else None
-    fsdp = "native" if meta.get("layout", "sharded") == "sharded" else "native@sharded"
+    fsdp = "native" if meta.get("layout", "sharded") in ("sharded", "single") else "native@sharded"
     return {"best": best, "fsdp": fsdp if fsdp in schedules else None, "medians_s": medians}
 
 

@@ -217,6 +217,9 @@ def test_one_warmup_one_step_run_is_consistent(tmp_path, capsys):
     shape, ideal, schedules = run["shape"], run["ideal"], run["schedules"]
     t, s, n = shape["num_steps"], shape["steps_per_sample"], shape["samples_per_rank"]
     assert (t, s, n, shape["tokens"]) == (3, 2, 2, 4) and run["meta"]["order"] == ["native", "retain", "reweight"]
+    # One rank: no other layout or sync to try, Native is the best and the FSDP2 Native at once.
+    assert set(run["meta"]["layouts"].values()) == {"single"}
+    assert (run["baselines"]["best"], run["baselines"]["fsdp"]) == ("native", "native")
     native = schedules["native"]["step_time_s"]["median"]
     for entry in schedules.values():
         step = entry["steps"][0]
