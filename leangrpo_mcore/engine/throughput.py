@@ -20,6 +20,10 @@ import torch
 
 from leangrpo_mcore.errors import UserError
 
+TIMED_SCALARS = ("samples_per_s", "samples_per_s_per_device", "tflops_per_device", "mfu")
+"""The scalars :meth:`Throughput.scalars` adds to a step's metrics row: like ``time_*``, they vary between
+otherwise identical runs."""
+
 PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", 989.0), ("H200", 989.0), ("H100 PCIE", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H800", 989.0),
     ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),

@@ -23,9 +23,10 @@ TOKENS = {"image": 4, "text": 3, "joint": 7, "sample": 1}
 ATEN = torch.ops.aten
 # torch counts no FLOPs for the CPU flash-attention kernels: its own formulas for the CUDA ones, mapped onto them.
 CPU_ATTENTION = {
-    ATEN._scaled_dot_product_flash_attention_for_cpu: lambda q, k, v, *a, out_shape=None, **kw: sdpa_flop_count(q, k, v),
+    ATEN._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: sdpa_flop_count(q, k, v),
     ATEN._scaled_dot_product_flash_attention_for_cpu_backward:
-        lambda g, q, k, v, *a, out_shape=None, **kw: sdpa_backward_flop_count(g, q, k, v),
+        lambda g, q, k, v, *args, out_shape=None, **kwargs: sdpa_backward_flop_count(g, q, k, v),
 }
 
 
