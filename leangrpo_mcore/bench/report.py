@@ -273,19 +273,31 @@ def _baseline_note(report: dict) -> str:
     return "; ".join(parts) + "." if parts else ""
 
 
-def glance_row(report: dict, name: str = "") -> str:
-    """The run's row of BENCHMARKS.md's "at a glance" table: the best Native first, each non-Native label's speedup
-    over it (and of the ideal ratio), then FSDP2 Native's time and the speedups over it."""
-    schedules, chosen = report["schedules"], report.get("baselines") or {}
-    others = [n for n in schedules if not is_native(n)]
+def _speedup_cell(speedup: Optional[float], ratio: float) -> str:
+    """``1.49× (1.06)``: a speedup and its fraction of the ideal ratio."""
+    return f"{_fmt(speedup, 2, '×')} ({_fmt(None if speedup is None else speedup / ratio, 2)})"
+
+
+def glance_table(report: dict, name: str = "") -> list[str]:
+    """The run's row of BENCHMARKS.md's "at a glance" table, under its header: the best Native (label, seconds),
+    each non-Native label's speedup over it (of the ideal ratio), FSDP2 Native's seconds, the speedups over it of
+    the other labels on its layout, and the peak memory of those labels."""
+    schedules, chosen, layouts = report["schedules"], report.get("baselines") or {}, report["meta"].get("layouts", {})
     best, fsdp = chosen.get("best"), chosen.get("fsdp")
+    others = [n for n in schedules if not is_native(n)]
+    beside = [n for n in schedules if n != fsdp and layouts.get(n) == layouts.get(fsdp)]
+    head = ["run", "ws", "ideal", "best Native", "best Native (s)", *(f"{n} vs best" for n in others),
+            "FSDP2 Native (s)", *(f"{n} vs FSDP2" for n in beside),
+            "peak MiB " + " / ".join(n for n in schedules if layouts.get(n) == layouts.get(fsdp))]
     cells = [name or report["meta"]["title"], str(report["meta"]["world_size"]), f"{report['ideal']['ratio']:.3f}",
-             "–" if best is None else f"{best} {schedules[best]['step_time_s']['median']:.3f}"]
-    cells += [f"{n} {_fmt(schedules[n].get('speedup_vs_best'), 2, '×')} "
-              f"({_fmt(schedules[n].get('fraction_of_ideal_vs_best'), 2)})" for n in others]
+             best or "–", "–" if best is None else f"{schedules[best]['step_time_s']['median']:.3f}"]
+    ratio = report["ideal"]["ratio"]
+    cells += [_speedup_cell(schedules[n].get("speedup_vs_best"), ratio) for n in others]
     cells.append("–" if fsdp is None else f"{schedules[fsdp]['step_time_s']['median']:.3f}")
-    cells += [f"{n} {_fmt(schedules[n].get('speedup_vs_fsdp'), 2, '×')}" for n in others]
-    return "| " + " | ".join(cells) + " |"
+    cells += [_speedup_cell(schedules[n].get("speedup_vs_fsdp"), ratio) for n in beside]
+    cells.append(" / ".join(_mib(schedules[n].get("peak_memory_bytes")) for n in schedules
+                            if layouts.get(n) == layouts.get(fsdp)))
+    return ["| " + " | ".join(head) + " |", "|---" * len(head) + "|", "| " + " | ".join(cells) + " |"]
 
 
 def _phase_table(report: dict) -> list[str]:
@@ -312,8 +324,8 @@ def run_markdown(report: dict) -> str:
     lines = _run_header(report) + _time_table(report) + _phase_table(report)
     if report.get("parity"):
         lines += _parity_table(report["parity"])
-    lines += ["", "At a glance (run, ws, ideal, best Native and s, speedups over it (of ideal), FSDP2 Native s, "
-              "speedups over it):", "", glance_row(report)]
+    lines += ["", "At a glance (the row of BENCHMARKS.md's table; in parentheses the fraction of the ideal ratio):",
+              ""] + glance_table(report)
     return "\n".join(lines) + "\n"
 
 

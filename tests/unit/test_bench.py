@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from leangrpo_mcore.bench.probe import ForwardProbe, TrainingSnapshot
-from leangrpo_mcore.bench.report import (PHASES, StepSample, finish_report, glance_row, ideal_ratio, ideal_sources,
+from leangrpo_mcore.bench.report import (PHASES, StepSample, finish_report, glance_table, ideal_ratio, ideal_sources,
                                          split_phases, spread, sweep_markdown)
 from leangrpo_mcore.bench.probe import ForwardTally
 from leangrpo_mcore.bench.runner import BenchOptions, parse_schedules
@@ -125,9 +125,13 @@ def test_best_native_over_layouts_and_throughput():
     assert (rate["samples_per_s"], rate["samples_per_s_per_device"]) == pytest.approx((8 / 6, 4 / 6))
     assert (rate["tflops_per_device"], rate["mfu"]) == pytest.approx((0.25, 0.5))
     assert report["schedules"]["native"]["throughput"] == {}
-    row = glance_row(report, "FLUX")
-    assert row == "| FLUX | 2 | %.3f | native_coalesced 9.000 | reweight 1.50× (%.2f) | 12.000 | reweight 2.00× |" % (
-        report["ideal"]["ratio"], 1.5 / report["ideal"]["ratio"])
+    report["meta"]["layouts"] = {"native": "replicated", "native_coalesced": "replicated",
+                                 "native@sharded": "sharded", "reweight": "replicated"}
+    head, _, row = glance_table(report, "FLUX")
+    assert head == ("| run | ws | ideal | best Native | best Native (s) | reweight vs best | FSDP2 Native (s) "
+                    "| peak MiB native@sharded |")
+    ratio = report["ideal"]["ratio"]
+    assert row == f"| FLUX | 2 | {ratio:.3f} | native_coalesced | 9.000 | 1.50× ({1.5 / ratio:.2f}) | 12.000 | – |"
 
 
 def test_sweep_markdown_has_one_row_per_value():
