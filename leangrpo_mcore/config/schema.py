@@ -336,6 +336,9 @@ class LoggingConfig:
     otherwise (a log file) one plain line per step (step, reward mean/std, loss, step and phase times)."""
     measure_memory: Optional[bool] = None
     """Measure each step's peak tensor memory (null: on CUDA only; on CPU the meter slows the step down)."""
+    peak_tflops: Optional[float] = option(None, gt=0.0)
+    """Peak TFLOP/s of one device that the per-step ``mfu`` divides by (null: the dense bf16 peak of a known GPU,
+    e.g. 989 on an H100 SXM or H200, 312 on an A100; on a CPU or an unknown GPU no ``mfu`` is logged)."""
     wandb: Optional[WandbConfig] = None
     """Weights & Biases logging, e.g. {project: my-project, mode: offline}; null (the default) = off. The run id is
     kept in output_dir/wandb_run_id, so that a resumed run continues the same wandb run."""

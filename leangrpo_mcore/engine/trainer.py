@@ -45,6 +45,7 @@ from leangrpo_mcore.engine.run_dir import RunDir, append_jsonl, check_fresh_run,
 from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
 from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, reward_input, write_eval_grid
 from leangrpo_mcore.engine.step import StepInputs, StepResult
+from leangrpo_mcore.engine.throughput import step_throughput
 from leangrpo_mcore.engine.video import require_video_extra, write_video_grid
 from leangrpo_mcore.engine.wandb_log import open_wandb
 from leangrpo_mcore.engine.watchdog import StepWatchdog
@@ -338,6 +339,8 @@ class Trainer:
         if config.parallel.reshard_after_forward is None and self.engine.plan.keeps_gathered(self.pctx):
             logger.info("FSDP2 keeps the parameters gathered through each step: %s trains different steps on "
                         "different ranks (parallel.reshard_after_forward=null)", config.grpo.timestep_selection)
+        self.throughput = step_throughput(config, self.schedule, dist_ctx.world_size, dist_ctx.device)
+        logger.info("%s", self.throughput.describe())
         self.evaluator = self._evaluator()
         self.guard = NonFiniteGuard(self.parts.optimizer)
         self.state = LoopState()
@@ -574,6 +577,7 @@ class Trainer:
                "ratio_mean": sum(u.ratio_mean for u in updates) / len(updates),
                "lr": lr, "skipped": int(skipped),
                "nonfinite_streak": self.state.nonfinite_streak, "time_step_s": elapsed}
+        row.update(self.throughput.scalars(elapsed))
         row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
         if result.window_start is not None:
             row["sde_window_start"] = result.window_start

@@ -18,9 +18,13 @@ import torch
 
 from leangrpo_mcore.cli.convert import main as convert_main
 from leangrpo_mcore.cli.train import main as train_main
+from leangrpo_mcore.engine.throughput import TIMED_SCALARS
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 from tests.ckpt_helpers import model_tensors, stored_tensors
 from tests.distributed.launcher import free_port, run_ranks
+
+VARYING = ("time_", "max_rss", *TIMED_SCALARS)
+"""Prefixes of the metrics that differ between otherwise identical runs."""
 
 pytestmark = pytest.mark.distributed
 
@@ -216,7 +220,7 @@ def test_world2_background_scoring_is_the_synchronous_run_and_its_errors_stop_ev
         code, lines, traceback = rank_results[8]
         printed = ["error: reward 'nan_on_rank1' returned 1 non-finite values"] if rank == 0 else []  # once per job
         assert (code, lines, traceback) == (2, printed, False)
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "max_rss"))} for r in rows]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(VARYING)} for r in rows]
     assert strip(_rows(root / "bg_async")) == strip(_rows(root / "bg_sync")) and len(_rows(root / "bg_sync")) == 2
     mine = model_tensors(root / "bg_async" / "checkpoints" / "step_2")
     ref = model_tensors(root / "bg_sync" / "checkpoints" / "step_2")
@@ -228,7 +232,7 @@ def test_world2_background_scoring_is_the_synchronous_run_and_its_errors_stop_ev
 
 def test_fsdp_resume_at_world2_is_bit_identical(world2_runs):
     root, _ = world2_runs
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "max_rss"))} for r in rows]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(VARYING)} for r in rows]
     assert strip(_rows(root / "resumed")) == strip(_rows(root / "wan2"))
     mine = model_tensors(root / "resumed" / "checkpoints" / "step_3")
     ref = model_tensors(root / "wan2" / "checkpoints" / "step_3")
