@@ -140,15 +140,20 @@ def default_group_timeout() -> timedelta:
     device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
     # torch keeps a group's timeout only in its backend's options (no public getter): listed in
     # parallel/mcore_internals.py.
-    return group._get_backend(device).options._timeout
+    options = group._get_backend(device).options
+    if options is None:  # a backend without options (the simulator's fake one): torch's default
+        return dist.constants.default_pg_timeout
+    return options._timeout
 
 
-def mesh_backend_options(timeout: timedelta, ndim: int) -> dict[int, tuple[str, object]]:
+def mesh_backend_options(timeout: timedelta, ndim: int) -> Optional[dict[int, tuple[str, object]]]:
     """``init_device_mesh``'s ``backend_override`` giving each of ``ndim`` mesh dimensions ``timeout``.
 
     ``init_device_mesh`` has no timeout argument; it passes the options' timeout to the groups it creates.
     """
     backend = dist.get_backend()
+    if backend not in ("nccl", "gloo"):  # the simulator's fake backend takes no timeout
+        return None
     options_cls = dist.ProcessGroupNCCL.Options if backend == "nccl" else dist.ProcessGroupGloo._Options
     override = {}
     for dim in range(ndim):

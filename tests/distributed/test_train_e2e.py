@@ -29,6 +29,10 @@ VARYING = ("time_", "max_rss", *TIMED_SCALARS)
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
+# The tiny configs' reward is the JPEG size in kB of uint8 images: a rounding-level weight difference can move a
+# pixel across a uint8 step and a sample's file by a byte or two, so rewards of runs that differ only in reduction
+# order agree to a few 1e-3 kB, not to float rounding (the weights are compared to float rounding instead).
+JPEG_BYTE = 2e-3
 TINY = {name: str(ROOT / "yaml_configs" / "tiny" / f"{name}.yaml") for name in ("flux", "wan")}
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "train.ema_decay=0.5")
 # TP=2 and TP=1 images differ by fp32 rounding; a JPEG reward turns a pixel that rounds to the next uint8 level
@@ -132,7 +136,8 @@ def test_flux_world2_under_torchrun_matches_world1(flux_world1, flux_world2):
     # Same seeds, so the same trajectories: step 1 is identical, later steps agree to reduction-order rounding.
     assert all(rows[0][k] == reference[0][k] for k in ("reward_mean", "reward_std"))
     for mine, ref in zip(rows, reference):
-        assert mine["reward_mean"] == pytest.approx(ref["reward_mean"], rel=1e-4)
+        assert mine["reward_mean"] == pytest.approx(ref["reward_mean"], abs=JPEG_BYTE)
+    _close_weights(run / "checkpoints" / "step_3", flux_world1[0] / "checkpoints" / "step_3", rtol=1e-4)
 
 
 def _resume_here(src: Path, dst: Path, capsys, *overrides: str) -> tuple[list[dict], str]:
@@ -155,7 +160,7 @@ def test_fsdp_world2_checkpoint_resumes_at_world1(flux_world1, flux_world2, tmp_
     rows, log = _resume_here(flux_world2[0], tmp_path / "run", capsys)
     assert "resharding checkpoint written at world size 2 (tp 1) to world size 1 (tp 1)" in log
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[2]["reward_mean"] == pytest.approx(reference[2]["reward_mean"], rel=1e-4)
+    assert rows[2]["reward_mean"] == pytest.approx(reference[2]["reward_mean"], abs=JPEG_BYTE)
     _close_weights(tmp_path / "run" / "checkpoints" / "step_3", ref_run / "checkpoints" / "step_3", rtol=1e-4)
 
 
