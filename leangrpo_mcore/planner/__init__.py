@@ -6,12 +6,14 @@ time models (:mod:`.cost_model`, :mod:`.activations` with its fit, :mod:`.pipeli
 (:mod:`.simulate`, :mod:`.sim_mode`, :mod:`.simulate_plan`). See ``docs/planning.md``.
 
 The planner imports the runtime (``parallel``, ``engine``, ``models``); the runtime reaches the planner only
-through this package entry (:func:`plan_for_config` and the two helpers beside it), with which the trainer
-resolves a config's ``auto`` keys: the schedule, the data-parallel degrees, the FSDP2 gathering and activation
-checkpointing. Everything here but the simulator is pure Python (no torch).
+through this package entry: :func:`plan_for_config` and the two helpers beside it, with which the trainer
+resolves a config's ``auto`` keys (the schedule, the data-parallel degrees, the FSDP2 gathering and activation
+checkpointing), and :func:`step_flops_for_config`, the FLOP count behind the per-step throughput metrics.
+Everything here but the simulator is pure Python (no torch).
 """
 
+from leangrpo_mcore.planner.flops import step_flops_for_config
 from leangrpo_mcore.planner.layout import override_values, plan_for_config
 from leangrpo_mcore.planner.workload import hardware_preset
 
-__all__ = ["hardware_preset", "override_values", "plan_for_config"]
+__all__ = ["hardware_preset", "override_values", "plan_for_config", "step_flops_for_config"]
