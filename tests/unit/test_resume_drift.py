@@ -6,6 +6,7 @@ Each case resumes the one-step run of a module-scoped fixture (tiny FLUX, in thi
 """
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import yaml
 from leangrpo_mcore.cli.train import main
 from leangrpo_mcore.config import load_config
 from leangrpo_mcore.config.drift import config_changes
+from leangrpo_mcore.engine.build import resolve_plan
+from leangrpo_mcore.engine.launch import DistContext
 from tests.cli_helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,6 +123,8 @@ def test_every_key_is_compared_and_unlisted_keys_are_refused(first_run):
     config = load_config(TINY_FLUX, [f"data.prompts={prompts}", f"train.output_dir={run}", "train.max_steps=1",
                                      "model.arch={num_layers: 2}", "logging.sample_every=3", "train.seed=7",
                                      "reward.options={quality: 50}"])
+    # as the trainer compares it: with the keys left auto resolved by the planner for this one-process run
+    config = resolve_plan(config, DistContext(0, 1, 0, torch.device("cpu"), "gloo", False), logging.getLogger("t"))
     changes = {c.key: c.applied for c in config_changes(saved, config)}
     assert changes == {"model.arch": False, "logging.sample_every": True, "train.seed": False,
                        "reward.options": False}
