@@ -16,14 +16,14 @@ one backpropagates the same loss: the schedules do not change) runs the pipeline
 
 Point-to-point transfers go through megatron-core's ``P2PCommunicator`` (``send_forward`` / ``recv_forward`` /
 ``send_backward`` / ``recv_backward``, shapes exchanged first); the velocity broadcast is one collective of the
-pipeline group. A lock-step forward does not pipeline across samples: while one stage computes, the others
-wait in a receive, and that wait is the ``bubble`` phase of the step's breakdown ((pp − 1)/pp of its time per
-stage). The step's bulk therefore goes through megatron's pipelined schedules instead, several forwards at once:
-:meth:`StagedVelocity.velocities` (forward-only, graphs kept under grad) and :meth:`StagedVelocity.trained`
-(1F1B, each forward backpropagated at once); a lock-step forward is only ever a single one (a pipelined call
-of one request). What each stage holds is its own: its blocks' parameters, gradients, optimizer
-state, graphs (Retain) and provisional gradients (Reweight), all synchronised over the stage's own data-parallel
-ranks.
+pipeline group, one per pipelined call whatever its number of requests. A lock-step forward does not pipeline
+across samples: while one stage computes, the others wait in a receive, and that wait is the ``bubble`` phase of
+the step's breakdown ((pp − 1)/pp of its time per stage). The step's bulk therefore goes through megatron's
+pipelined schedules instead, several forwards at once: :meth:`StagedVelocity.velocities` (forward-only, graphs
+kept under grad) and :meth:`StagedVelocity.trained` (1F1B, each forward backpropagated at once); a lock-step
+forward is only ever a single one (a pipelined call of one request). What each stage holds is its own: its
+blocks' parameters, gradients, optimizer state, graphs (Retain) and provisional gradients (Reweight), all
+synchronised over the stage's own data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -118,10 +118,25 @@ class StageLink:
 
     def broadcast_velocity(self, velocity: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """The last stage's float32 velocity on every stage (``like``: the latents, whose shape it has)."""
-        out = velocity.detach().contiguous() if self.last else torch.empty_like(like, dtype=torch.float32)
+        return self.broadcast_velocities([velocity], [like])[0]
+
+    def broadcast_velocities(self, velocities: list[Optional[torch.Tensor]], likes: list[torch.Tensor]
+                             ) -> list[torch.Tensor]:
+        """The last stage's float32 velocities on every stage (``likes``: the latents, whose shapes they have),
+        all in one collective: a pipelined call ends with one broadcast, not one blocking broadcast per request."""
+        if not likes:
+            return []
+        if self.last:
+            parts = [v.detach().to(torch.float32).reshape(-1) for v in velocities]
+            flat = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+        else:
+            flat = torch.empty(sum(like.numel() for like in likes), dtype=torch.float32, device=likes[0].device)
         with self._waiting() if not self.last else contextlib.nullcontext():
-            dist.broadcast(out, src=self.last_rank, group=self.group)
-        return out
+            dist.broadcast(flat, src=self.last_rank, group=self.group)
+        if self.last:
+            return [v.detach().contiguous() for v in velocities]
+        pieces = flat.split([like.numel() for like in likes])
+        return [piece.view(like.shape) for piece, like in zip(pieces, likes)]
 
     # ------------------------------------------------------------------ autograd hand-offs
     def received(self) -> torch.Tensor:
@@ -257,8 +272,8 @@ class StagedVelocity:
             out = run_micro_batches(forward_step, requests, None, phase=self.link.track, phases={},
                                     forward_only=True, dtype=self.link.dtype, pipeline=self.policy,
                                     ctx=self.link.ctx, input_hook=hook)
-        shared = [self.link.broadcast_velocity(out[i] if self.link.last else None, latents)
-                  for i, (latents, _, _) in enumerate(requests)]
+        shared = self.link.broadcast_velocities(list(out) if self.link.last else [None] * len(requests),
+                                                [latents for latents, _, _ in requests])
         if not keep:
             return shared
         if self.link.last:
@@ -296,7 +311,8 @@ class StagedVelocity:
         with self.scheduled():
             run_micro_batches(forward_step, list(enumerate(units)), grad_sync, phase=self.link.track,
                               phases=phases, dtype=self.link.dtype, pipeline=self.policy)
-        return [self.link.broadcast_velocity(outputs.get(i), latents) for i, (latents, _, _) in enumerate(requests)]
+        return self.link.broadcast_velocities([outputs.get(i) for i in range(len(requests))],
+                                              [latents for latents, _, _ in requests])
 
     def reference(self) -> contextlib.AbstractContextManager:
         """The inner function's reference context (adapters disabled on every stage)."""
