@@ -29,6 +29,7 @@ synchronised over the stage's own data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Callable, ContextManager, Iterator, Optional
 
@@ -222,6 +223,18 @@ class StagedVelocity:
         """This stage's boundary tensor (inside :meth:`scheduled`, on a stage other than the last)."""
         return self.policy(**self.inner.policy_inputs(latents, sigma, conditioning))
 
+    def boundary_shape(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]
+                       ) -> Optional[tuple[int, ...]]:
+        """The boundary shape every forward of ``requests`` sends and receives (a pipelined call's
+        ``tensor_shape``), from the policy stage's ``boundary_shape`` and the requests' shapes alone; None when the
+        policy cannot tell it or the requests differ in it (then the shapes travel with every transfer)."""
+        shape_of = getattr(self.policy, "boundary_shape", None)
+        if shape_of is None:
+            return None
+        shapes = {tuple(shape_of(**self.inner.policy_inputs(*_on_meta(request))))
+                  for request in _distinct(requests).values()}
+        return shapes.pop() if len(shapes) == 1 else None
+
     def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
         """(B, *shape) float32 velocity, identical on every stage."""
         inputs = self.inner.policy_inputs(latents, sigma, conditioning)
@@ -271,7 +284,7 @@ class StagedVelocity:
         with self.scheduled():
             out = run_micro_batches(forward_step, requests, None, phase=self.link.track, phases={},
                                     forward_only=True, dtype=self.link.dtype, pipeline=self.policy,
-                                    ctx=self.link.ctx, input_hook=hook)
+                                    ctx=self.link.ctx, input_hook=hook, tensor_shape=self.boundary_shape(requests))
         shared = self.link.broadcast_velocities(list(out) if self.link.last else [None] * len(requests),
                                                 [latents for latents, _, _ in requests])
         if not keep:
@@ -310,7 +323,8 @@ class StagedVelocity:
 
         with self.scheduled():
             run_micro_batches(forward_step, list(enumerate(units)), grad_sync, phase=self.link.track,
-                              phases=phases, dtype=self.link.dtype, pipeline=self.policy)
+                              phases=phases, dtype=self.link.dtype, pipeline=self.policy,
+                              tensor_shape=self.boundary_shape([requests[i] for i in sorted(set(units))]))
         return self.link.broadcast_velocities([outputs.get(i) for i in range(len(requests))],
                                               [latents for latents, _, _ in requests])
 
@@ -340,6 +354,13 @@ class SplitStages(SplitVelocity):
         """The inner stages' scheduled mode (:meth:`StagedVelocity.scheduled`)."""
         return self.inner.scheduled()
 
+    def boundary_shape(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]
+                       ) -> Optional[tuple[int, ...]]:
+        """:meth:`StagedVelocity.boundary_shape` of the pieces (the whole latents' shape, without gathering)."""
+        whole = [(torch.empty((latents.shape[0], *self.split.latent_shape), dtype=latents.dtype, device="meta"),
+                  sigma, conditioning) for latents, sigma, conditioning in requests]
+        return self.inner.boundary_shape(whole)
+
     def _whole(self, requests: list) -> list:
         return [(self.split.gather(latents), sigma, conditioning) for latents, sigma, conditioning in requests]
 
@@ -358,6 +379,28 @@ class SplitStages(SplitVelocity):
         out = self.inner.trained(self._whole(requests), units, lambda k, v: loss_of(k, self.split.shard(v)),
                                  route, grad_sync, phases=phases, forward_context=forward_context)
         return [self.split.shard(v) for v in out]
+
+
+def _distinct(requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]) -> dict:
+    """One request per distinct signature (the shapes of its latents, sigma and conditioning tensors)."""
+    out = {}
+    for request in requests:
+        latents, sigma, conditioning = request
+        fields = (getattr(conditioning, f.name) for f in dataclasses.fields(conditioning))
+        key = (tuple(latents.shape), tuple(sigma.shape),
+               tuple(None if t is None else tuple(t.shape) for t in fields))
+        out.setdefault(key, request)
+    return out
+
+
+def _on_meta(request: tuple[torch.Tensor, torch.Tensor, Conditioning]) -> tuple:
+    """``request`` with every tensor on the meta device: its shapes and dtypes, no data (nothing computed)."""
+    def meta(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    latents, sigma, conditioning = request
+    fields = {f.name: meta(getattr(conditioning, f.name)) for f in dataclasses.fields(conditioning)}
+    return meta(latents), meta(sigma), dataclasses.replace(conditioning, **fields)
 
 
 def split_velocity(inner, split) -> SplitVelocity:
