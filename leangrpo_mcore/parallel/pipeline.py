@@ -25,10 +25,10 @@ in turn. What megatron reads from the model's config is built here, once per cal
   buffer in that shape (``variable_seq_lengths`` off: no shape exchange before every transfer), and no transfer
   synchronises the device afterwards (``batch_p2p_sync`` off, as in :class:`~leangrpo_mcore.parallel.stages.StageLink`;
   the synchronisation only worked around an old NCCL bug). Without a ``tensor_shape`` the shapes travel with every
-  transfer. megatron's 1F1B frees each sent output's data as soon as it is
-  sent (``deallocate_pipeline_outputs``), and an exception in the last stage's forward or loss is held until the
-  call is over, then raised on every stage (:class:`_PipelineGuard`): megatron's schedules cannot abort, and
-  the earlier stages would otherwise wait for gradients until the process group's timeout.
+  transfer. megatron's 1F1B frees each sent output's data as soon as it is sent
+  (``deallocate_pipeline_outputs``), and an exception in the last stage's forward or loss is held until the call
+  is over, then raised on every stage (:class:`_PipelineGuard`): megatron's schedules cannot abort, and the
+  earlier stages would otherwise wait for gradients until the process group's timeout.
 - **phases.** megatron brackets each micro-batch's forward + loss (``forward-compute``) and its backward
   (``backward-compute``) with ``config.timers``; :class:`_PhaseTimers` turns those brackets into the
   project's phase hook, so the step's phase breakdown names exactly what the scheduler ran. They only time:
