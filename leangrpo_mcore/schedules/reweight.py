@@ -201,13 +201,13 @@ class ReweightSchedule(Schedule):
         """Make the local slot accumulate into ``store[key]``, which stays in the slot until another target takes
         its place (or :meth:`_settle`): one pass over the parameters per sample moves the previous target's
         gradient back to its store and this one's in (``GradSync.swap_local``), instead of one pass to install it
-        and another to take it out after every backward; the same target twice in a row moves nothing."""
+        and another to take it out after every backward; the same target twice in a row moves nothing. Only
+        without a provisional dtype (which rounds the gradient after every backward: :meth:`_accumulating`)."""
         if self._held is not None and self._held[0] is store and self._held[1] == key:
             return
-        incoming = store.pop(key, None)
-        out = self.ctx.grad_sync.swap_local(None if incoming is None else self._to_slot(incoming))
+        out = self.ctx.grad_sync.swap_local(store.pop(key, None))
         if self._held is not None:
-            self._held[0][self._held[1]] = self._from_slot(out)
+            self._held[0][self._held[1]] = out
         self._held = (store, key)
 
     def _settle(self) -> None:
@@ -216,19 +216,24 @@ class ReweightSchedule(Schedule):
         if self._held is not None:
             store, key = self._held
             self._held = None
-            store[key] = self._from_slot(self.ctx.grad_sync.take_local())
+            store[key] = self.ctx.grad_sync.take_local()
 
     def _backward_into(self, store: dict, key, loss: torch.Tensor, retain_graph: bool) -> None:
         """Backpropagate ``loss`` into ``store[key]`` (:meth:`_hold`). The last backward of a graph is a
         megatron micro-batch; one whose graph is backpropagated again (the KL part, another row of a batched graph)
         keeps it, which megatron's backward cannot, and runs as a plain autograd call."""
         sync = self.ctx.grad_sync
-        self._hold(store, key)
-        if retain_graph:
-            with self.ctx.phase("backward"):
-                sync.backward_local(loss, retain_graph=True)
+        if self.plan.provisional_dtype is None:
+            self._hold(store, key)
+            slot = contextlib.nullcontext()
         else:
-            run_micro_batches(_formed, [loss], sync, phase=self.ctx.phase, phases=PHASES)
+            slot = self._accumulating(store, key)
+        with slot:
+            if retain_graph:
+                with self.ctx.phase("backward"):
+                    sync.backward_local(loss, retain_graph=True)
+            else:
+                run_micro_batches(_formed, [loss], sync, phase=self.ctx.phase, phases=PHASES)
 
     def _to_slot(self, grads: LocalGrads) -> LocalGrads:
         """``grads`` in the dtypes the gradient slot holds (undoing the provisional dtype)."""
