@@ -24,8 +24,8 @@ from typing import ContextManager, Protocol
 
 import torch
 
-from leangrpo_mcore.diffusion.sde import (SampleMean, SDEStep, check_decreasing, local_mean, ode_step, sde_step,
-                                          transition_std)
+from leangrpo_mcore.diffusion.ode_solvers import OdeSolver, RowSolver, make_ode_solver
+from leangrpo_mcore.diffusion.sde import SampleMean, SDEStep, check_decreasing, local_mean, sde_step, transition_std
 from leangrpo_mcore.diffusion.seeding import step_noise
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.diffusion.velocity import VelocityFn
@@ -176,16 +176,16 @@ NoiseFn = Callable[[], torch.Tensor]
 
 
 def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-                  sde_rows: torch.Tensor, sde: SDEParams, noise: NoiseFn) -> SDEStep | None:
-    """SDE step for the rows in ``sde_rows`` (host data: a bool per row), ODE for the others; None when no row uses
-    the SDE."""
+                  sde_rows: torch.Tensor, sde: SDEParams, noise: NoiseFn, ode: RowSolver) -> SDEStep | None:
+    """SDE step for the rows in ``sde_rows`` (host data: a bool per row), ``ode``'s step for the others; None when
+    no row uses the SDE."""
     if not bool(sde_rows.any()):
         return None
     out = sde.step(velocity, x, sigma, sigma_next, noise=noise())
     if bool(sde_rows.all()):
         return out
     sde_rows = sde_rows.to(x.device)
-    ode = ode_step(velocity.detach(), x, sigma, sigma_next)
+    ode = ode.step(velocity.detach(), x, sigma, sigma_next)
     rows = sde_rows.view(-1, *([1] * (x.ndim - 1)))
     zero = torch.zeros_like(out.log_prob)
     return SDEStep(prev_sample=torch.where(rows, out.prev_sample, ode),
@@ -193,18 +193,20 @@ def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, 
 
 
 def _advance(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-             sde_rows: torch.Tensor, sde: SDEParams, noise: NoiseFn
+             sde_rows: torch.Tensor, sde: SDEParams, noise: NoiseFn, ode: RowSolver
              ) -> tuple[SDEStep | None, torch.Tensor, torch.Tensor]:
-    """(SDE step or None, detached x_{t+1}, detached (B,) log-prob) of one forward's rows."""
-    out = _denoise_step(velocity, x, sigma, sigma_next, sde_rows, sde, noise)
+    """(SDE step or None, detached x_{t+1}, detached (B,) log-prob) of one forward's rows (``ode`` notes it)."""
+    ode.observe(velocity, x, sigma)
+    out = _denoise_step(velocity, x, sigma, sigma_next, sde_rows, sde, noise, ode)
     if out is None:
-        return None, ode_step(velocity.detach(), x, sigma, sigma_next), torch.zeros(x.shape[0], device=x.device)
+        return None, ode.step(velocity.detach(), x, sigma, sigma_next), torch.zeros(x.shape[0], device=x.device)
     return out, out.prev_sample.detach(), out.log_prob.detach()
 
 
 def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                      conditioning: Conditioning, train: torch.Tensor, sde_rows: torch.Tensor, sde: SDEParams,
-                     noise: Callable[[list[int]], torch.Tensor], forward_context: Callable[[bool], ContextManager],
+                     noise: Callable[[list[int]], torch.Tensor], ode: OdeSolver,
+                     forward_context: Callable[[bool], ContextManager],
                      hand_over: Callable[[int, SDEStep | None, torch.Tensor], None],
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step whose trained rows each run a grad-enabled forward of batch 1, handed to ``hand_over(row, sde,
@@ -217,7 +219,7 @@ def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tens
         with torch.set_grad_enabled(grad), forward_context(grad):
             velocity = velocity_fn(x[rows], sigma[rows], conditioning.select(rows))
             out, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
-                                                       sde_rows[rows], sde, partial(noise, rows))
+                                                       sde_rows[rows], sde, partial(noise, rows), ode.on(rows))
         if grad:
             hand_over(rows[0], out, prev[rows])
         del velocity, out
@@ -234,7 +236,7 @@ class RolloutLoop:
                  prompt_ids: torch.Tensor, generation_ids: torch.Tensor,
                  grad_steps: torch.Tensor | set[int] | None = None, on_step: StepCallback | None = None,
                  forward_context: Callable[[bool], ContextManager] | None = None, split: LatentPieces | None = None,
-                 per_sample_grad: bool = False) -> None:
+                 per_sample_grad: bool = False, ode_solver: str = "euler") -> None:
         batch, steps = init_latents.shape[0], noise_seeds.shape[1]
         self.grad_steps = _grad_mask(grad_steps, selected)
         self.forward_context = forward_context or (lambda grad: contextlib.nullcontext())
@@ -254,6 +256,7 @@ class RolloutLoop:
         self.noise_seeds, self.prompt_ids, self.generation_ids = noise_seeds, prompt_ids, generation_ids
         self.on_step, self.split, self.per_sample_grad = on_step, split, per_sample_grad
         self.steps, self.t = steps, 0
+        self.ode = make_ode_solver(ode_solver, batch)
         self._xs: list[torch.Tensor] = []
         self._next_xs: list[torch.Tensor] = []
         self._log_probs: list[torch.Tensor] = []
@@ -300,14 +303,14 @@ class RolloutLoop:
                                             row=row))
 
             prev, log_prob = _per_sample_step(velocity_fn, x, sigma, sigma_next, self.conditioning, train,
-                                              self.sde_steps[:, t], self.sde, self._noise, self.forward_context,
-                                              hand_over)
+                                              self.sde_steps[:, t], self.sde, self._noise, self.ode,
+                                              self.forward_context, hand_over)
             self._record(None, prev, log_prob, train, False)  # each row's graph was handed over before
             return
         with torch.set_grad_enabled(grad), self.forward_context(grad):
             velocity = velocity_fn(x, sigma, self.conditioning)
             out, prev, log_prob = _advance(velocity, x, sigma, sigma_next, self.sde_steps[:, t], self.sde,
-                                           partial(self._noise, list(range(x.shape[0]))))
+                                           partial(self._noise, list(range(x.shape[0]))), self.ode.on())
         del velocity
         self._record(out, prev, log_prob, train, grad)
 
@@ -320,7 +323,7 @@ class RolloutLoop:
 
         def record(row: int, velocity: torch.Tensor) -> StepRecord:
             out = _denoise_step(velocity, x[[row]], sigma[[row]], sigma_next[[row]], self.sde_steps[[row], t],
-                                self.sde, partial(self._noise, [row]))
+                                self.sde, partial(self._noise, [row]), self.ode.on([row]))
             return StepRecord(t=t, latents=x[[row]], next_latents=out.prev_sample.detach(), sigma=sigma[[row]],
                               sigma_next=sigma_next[[row]], sde=out, train=train[[row]], grad=True, row=row)
 
@@ -352,7 +355,8 @@ class RolloutLoop:
             for rows, velocity in ([(rest, rest_velocity)] if rest else []) + \
                     [([r], row_velocities[r]) for r in trained]:
                 _, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
-                                                         self.sde_steps[rows, t], self.sde, partial(self._noise, rows))
+                                                         self.sde_steps[rows, t], self.sde, partial(self._noise, rows),
+                                                         self.ode.on(rows))
         self._record(None, prev, log_prob, train, False)
 
     def step_with(self, velocity: torch.Tensor) -> None:
@@ -364,7 +368,8 @@ class RolloutLoop:
         t, every = self.t, list(range(self.x.shape[0]))
         with torch.set_grad_enabled(grad):
             out, prev, log_prob = _advance(velocity, self.x, self.sigmas[:, t], self.sigmas[:, t + 1],
-                                           self.sde_steps[:, t], self.sde, partial(self._noise, every))
+                                           self.sde_steps[:, t], self.sde, partial(self._noise, every),
+                                           self.ode.on())
         del velocity
         self._record(out, prev, log_prob, self.selected[:, t] & self.grad_steps[:, t], grad)
 
@@ -374,6 +379,7 @@ class RolloutLoop:
         self._xs.append(x)
         self._next_xs.append(prev)
         self._log_probs.append(log_prob.to(torch.float32))
+        self.ode.commit()
         if self.on_step is not None:
             self.on_step(StepRecord(t=t, latents=x, next_latents=prev, sigma=self.sigmas[:, t],
                                     sigma_next=self.sigmas[:, t + 1], sde=out, train=train, grad=grad))
@@ -409,6 +415,7 @@ def rollout(
     forward_context: Callable[[bool], ContextManager] | None = None,
     split: LatentPieces | None = None,
     per_sample_grad: bool = False,
+    ode_solver: str = "euler",
 ) -> Trajectory:
     """Sample B trajectories from ``init_latents`` (B, *shape) along ``sigmas`` ((T+1,) or (B, T+1)).
 
@@ -420,12 +427,13 @@ def rollout(
     callback then receives the step's graph. ``forward_context(grad)`` is entered around each forward
     (e.g. FP8 scaling state; see :mod:`leangrpo_mcore.parallel.precision`). With ``split`` the latents of the
     trajectory are this rank's pieces (module doc). ``per_sample_grad`` runs the trained rows of a step with
-    gradients one at a time (:attr:`StepRecord.row`). Returns the float32 :class:`Trajectory` (detached).
+    gradients one at a time (:attr:`StepRecord.row`). The ODE steps (``sde_steps`` False) take ``ode_solver``'s
+    update (:mod:`leangrpo_mcore.diffusion.ode_solvers`). Returns the float32 :class:`Trajectory` (detached).
     """
     loop = RolloutLoop(init_latents, sigmas, conditioning, sde=sde, selected=selected, sde_steps=sde_steps,
                        noise_seeds=noise_seeds, prompt_ids=prompt_ids, generation_ids=generation_ids,
                        grad_steps=grad_steps, on_step=on_step, forward_context=forward_context, split=split,
-                       per_sample_grad=per_sample_grad)
+                       per_sample_grad=per_sample_grad, ode_solver=ode_solver)
     while not loop.done:
         loop.step(velocity_fn)
     return loop.trajectory()
@@ -506,7 +514,7 @@ def draw_rollout_inputs(*, base_seed: int, step: int, prompt_slots: list[int], g
     """Seed everything of B samples named by (prompt slot, generation) — independent of rank and schedule.
 
     ``selection`` holds the keyword arguments of :func:`leangrpo_mcore.diffusion.selection.select_steps`
-    besides the sample names (method, fraction, window_size, window_range).
+    besides the sample names (method, fraction, window_size, window_range, window_start).
     """
     from leangrpo_mcore.diffusion.seeding import initial_noise, sde_noise_seeds
     from leangrpo_mcore.diffusion.selection import select_steps
@@ -516,6 +524,7 @@ def draw_rollout_inputs(*, base_seed: int, step: int, prompt_slots: list[int], g
     picked = select_steps(selection["method"], num_steps=num_steps, fraction=selection["fraction"],
                           base_seed=base_seed, step=step, prompt_slots=prompt_slots, generation_ids=generation_ids,
                           window_size=selection.get("window_size", 0),
-                          window_range=selection.get("window_range", (0, 1)))
+                          window_range=selection.get("window_range", (0, 1)),
+                          window_start=selection.get("window_start"))
     seeds = sde_noise_seeds(base_seed, step, prompt_slots, generation_ids, num_steps)
     return RolloutInputs(init_latents=init, selected=picked.selected, sde_steps=picked.sde, noise_seeds=seeds)
