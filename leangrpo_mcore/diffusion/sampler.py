@@ -25,8 +25,8 @@ from typing import ContextManager, Protocol
 import torch
 
 from leangrpo_mcore.diffusion.ode_solvers import OdeSolver, RowSolver, make_ode_solver
-from leangrpo_mcore.diffusion.sde import SampleMean, SDEStep, draw_noise, local_mean, sde_step, transition_std
-from leangrpo_mcore.diffusion.seeding import step_generators
+from leangrpo_mcore.diffusion.sde import SampleMean, SDEStep, check_decreasing, local_mean, sde_step, transition_std
+from leangrpo_mcore.diffusion.seeding import step_noise
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.diffusion.velocity import VelocityFn
 
@@ -57,14 +57,23 @@ class SDEParams:
     def step(self, velocity: torch.Tensor, latents: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
              *, prev_sample: torch.Tensor | None = None, generators: list[torch.Generator] | None = None,
              noise: torch.Tensor | None = None) -> SDEStep:
-        """One SDE step (draw with ``generators``, add the given ``noise``, or score ``prev_sample``)."""
+        """One SDE step (draw with ``generators``, add the given ``noise``, or score ``prev_sample``). The sigmas
+        are a checked schedule's (:meth:`check_schedule`): nothing here reads tensor data on the host."""
         return sde_step(self.kind, velocity, latents, sigma, sigma_next, noise_level=self.noise_level,
                         prev_sample=prev_sample, generator=generators, sigma_max=self.sigma_max,
-                        sigma_min=self.sigma_min, noise=noise, sample_mean=self.sample_mean)
+                        sigma_min=self.sigma_min, noise=noise, sample_mean=self.sample_mean, check=False)
 
     def std_t(self, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
-        """(B,) std_t of the step (the FlowGRPO KL's denominator, without sqrt(−dt))."""
-        return transition_std(self.kind, sigma, sigma_next, self.noise_level, self.sigma_max, self.sigma_min).std_t
+        """(B,) std_t of the step (the FlowGRPO KL's denominator, without sqrt(−dt)), of a checked schedule."""
+        return transition_std(self.kind, sigma, sigma_next, self.noise_level, self.sigma_max, self.sigma_min,
+                              check=False).std_t
+
+    def check_schedule(self, sigmas: torch.Tensor, sde_steps: torch.Tensor) -> None:
+        """ValueError unless σ' < σ at every SDE step of the (B, T+1) ``sigmas`` ((B, T) ``sde_steps``): the check
+        :func:`~leangrpo_mcore.diffusion.sde.transition_std` would make at every step, made once before a rollout
+        (on the host, where the schedule is made), so that no step reads its sigmas back from the device."""
+        rows = sde_steps.to(sigmas.device)
+        check_decreasing(sigmas[:, :-1][rows], sigmas[:, 1:][rows])
 
 
 @dataclass
@@ -162,17 +171,17 @@ def _check_masks(steps: int, batch: int, **masks: torch.Tensor) -> None:
             raise ValueError(f"{name} must be a ({batch}, {steps}) bool mask, got {mask.dtype} {tuple(mask.shape)}")
 
 
+NoiseFn = Callable[[], torch.Tensor]
+"""The SDE noise of one forward's rows, in the latents' shape and device (drawn when first asked for)."""
+
+
 def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-                  sde_rows: torch.Tensor, sde: SDEParams, generators: list[torch.Generator],
-                  split: LatentPieces | None, ode: RowSolver) -> SDEStep | None:
-    """SDE step for the rows in ``sde_rows``, ``ode``'s step for the others; None when no row uses the SDE."""
+                  sde_rows: torch.Tensor, sde: SDEParams, noise: NoiseFn, ode: RowSolver) -> SDEStep | None:
+    """SDE step for the rows in ``sde_rows`` (host data: a bool per row), ``ode``'s step for the others; None when
+    no row uses the SDE."""
     if not bool(sde_rows.any()):
         return None
-    if split is None:
-        out = sde.step(velocity, x, sigma, sigma_next, generators=generators)
-    else:
-        noise = split.shard(draw_noise(torch.Size((x.shape[0], *split.latent_shape)), generators, x.device))
-        out = sde.step(velocity, x, sigma, sigma_next, noise=noise)
+    out = sde.step(velocity, x, sigma, sigma_next, noise=noise())
     if bool(sde_rows.all()):
         return out
     sde_rows = sde_rows.to(x.device)
@@ -184,11 +193,11 @@ def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, 
 
 
 def _advance(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-             sde_rows: torch.Tensor, sde: SDEParams, generators: list[torch.Generator],
-             split: LatentPieces | None, ode: RowSolver) -> tuple[SDEStep | None, torch.Tensor, torch.Tensor]:
+             sde_rows: torch.Tensor, sde: SDEParams, noise: NoiseFn, ode: RowSolver
+             ) -> tuple[SDEStep | None, torch.Tensor, torch.Tensor]:
     """(SDE step or None, detached x_{t+1}, detached (B,) log-prob) of one forward's rows (``ode`` notes it)."""
     ode.observe(velocity, x, sigma)
-    out = _denoise_step(velocity, x, sigma, sigma_next, sde_rows, sde, generators, split, ode)
+    out = _denoise_step(velocity, x, sigma, sigma_next, sde_rows, sde, noise, ode)
     if out is None:
         return None, ode.step(velocity.detach(), x, sigma, sigma_next), torch.zeros(x.shape[0], device=x.device)
     return out, out.prev_sample.detach(), out.log_prob.detach()
@@ -196,12 +205,13 @@ def _advance(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma
 
 def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                      conditioning: Conditioning, train: torch.Tensor, sde_rows: torch.Tensor, sde: SDEParams,
-                     generators: list[torch.Generator], split: LatentPieces | None, ode: OdeSolver,
+                     noise: Callable[[list[int]], torch.Tensor], ode: OdeSolver,
                      forward_context: Callable[[bool], ContextManager],
                      hand_over: Callable[[int, SDEStep | None, torch.Tensor], None],
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step whose trained rows each run a grad-enabled forward of batch 1, handed to ``hand_over(row, sde,
-    x_{t+1})`` and freed before the next row's forward; the other rows share one no-grad forward."""
+    x_{t+1})`` and freed before the next row's forward; the other rows share one no-grad forward. ``noise(rows)``
+    is the step's SDE noise of ``rows``."""
     prev, log_prob = torch.empty_like(x), torch.zeros(x.shape[0], device=x.device)
     trained = train.nonzero().flatten().tolist()
     rest = [r for r in range(x.shape[0]) if r not in trained]
@@ -209,8 +219,7 @@ def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tens
         with torch.set_grad_enabled(grad), forward_context(grad):
             velocity = velocity_fn(x[rows], sigma[rows], conditioning.select(rows))
             out, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
-                                                       sde_rows[rows], sde, [generators[r] for r in rows], split,
-                                                       ode.on(rows))
+                                                       sde_rows[rows], sde, partial(noise, rows), ode.on(rows))
         if grad:
             hand_over(rows[0], out, prev[rows])
         del velocity, out
@@ -234,9 +243,13 @@ class RolloutLoop:
         _check_masks(steps, batch, selected=selected, sde_steps=sde_steps, grad_steps=self.grad_steps)
         if bool((selected & ~sde_steps).any()):
             raise ValueError("every selected step must be an SDE step (an ODE step has no log-density)")
-        self.sigmas = _as_batch_sigmas(sigmas, batch).to(init_latents.device)
-        if self.sigmas.shape[1] != steps + 1:
-            raise ValueError(f"sigmas have {self.sigmas.shape[1]} entries for {steps} steps (need T+1)")
+        host_sigmas = _as_batch_sigmas(sigmas, batch)
+        if host_sigmas.shape[1] != steps + 1:
+            raise ValueError(f"sigmas have {host_sigmas.shape[1]} entries for {steps} steps (need T+1)")
+        sde.check_schedule(host_sigmas, sde_steps)  # once here, so that no step reads its sigmas back
+        self.sigmas = host_sigmas.to(init_latents.device)
+        self._grads = self.grad_steps.any(dim=0).tolist()
+        self._noises: dict[int, torch.Tensor] = {}
         x = init_latents.detach().to(torch.float32)
         self.x = split.shard(x).contiguous() if split is not None else x
         self.conditioning, self.sde, self.selected, self.sde_steps = conditioning, sde, selected, sde_steps
@@ -256,7 +269,22 @@ class RolloutLoop:
     @property
     def grad(self) -> bool:
         """Whether the next step's forward runs with gradients."""
-        return bool(self.grad_steps[:, self.t].any())
+        return self._grads[self.t]
+
+    def _noise(self, rows: list[int]) -> torch.Tensor:
+        """(len(rows), *x.shape[1:]) float32 SDE noise of the current step's ``rows`` on the latents' device. Each
+        row's is drawn once per step from its own seed (:func:`~leangrpo_mcore.diffusion.seeding.step_noise`),
+        however often its SDE step is formed (the rollout's, a trained row's loss and KL part); under CP the whole
+        sample is drawn (a CPU generator cannot start at a piece bitwise) and only this rank's piece is copied."""
+        missing = [r for r in rows if r not in self._noises]
+        if missing:
+            shape = self.split.latent_shape if self.split is not None else tuple(self.x.shape[1:])
+            whole = step_noise(self.noise_seeds, self.t, missing, shape)
+            piece = (self.split.shard(whole) if self.split is not None else whole).to(self.x.device)
+            self._noises.update((r, piece[i:i + 1]) for i, r in enumerate(missing))
+        if len(rows) == 1:
+            return self._noises[rows[0]]
+        return torch.cat([self._noises[r] for r in rows])
 
     def request(self) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:
         """(x_t, σ_t, conditioning): what the next step's forward takes."""
@@ -267,7 +295,6 @@ class RolloutLoop:
         t, x = self.t, self.x
         sigma, sigma_next = self.sigmas[:, t], self.sigmas[:, t + 1]
         grad, train = self.grad, self.selected[:, t] & self.grad_steps[:, t]
-        generators = step_generators(self.noise_seeds, t)
         if grad and self.per_sample_grad:
             def hand_over(row: int, row_sde: SDEStep | None, row_prev: torch.Tensor) -> None:
                 if self.on_step is not None:
@@ -276,14 +303,14 @@ class RolloutLoop:
                                             row=row))
 
             prev, log_prob = _per_sample_step(velocity_fn, x, sigma, sigma_next, self.conditioning, train,
-                                              self.sde_steps[:, t], self.sde, generators, self.split, self.ode,
+                                              self.sde_steps[:, t], self.sde, self._noise, self.ode,
                                               self.forward_context, hand_over)
             self._record(None, prev, log_prob, train, False)  # each row's graph was handed over before
             return
         with torch.set_grad_enabled(grad), self.forward_context(grad):
             velocity = velocity_fn(x, sigma, self.conditioning)
-            out, prev, log_prob = _advance(velocity, x, sigma, sigma_next, self.sde_steps[:, t], self.sde, generators,
-                                           self.split, self.ode.on())
+            out, prev, log_prob = _advance(velocity, x, sigma, sigma_next, self.sde_steps[:, t], self.sde,
+                                           partial(self._noise, list(range(x.shape[0]))), self.ode.on())
         del velocity
         self._record(out, prev, log_prob, train, grad)
 
@@ -296,7 +323,7 @@ class RolloutLoop:
 
         def record(row: int, velocity: torch.Tensor) -> StepRecord:
             out = _denoise_step(velocity, x[[row]], sigma[[row]], sigma_next[[row]], self.sde_steps[[row], t],
-                                self.sde, step_generators(self.noise_seeds[[row]], t), self.split, self.ode.on([row]))
+                                self.sde, partial(self._noise, [row]), self.ode.on([row]))
             return StepRecord(t=t, latents=x[[row]], next_latents=out.prev_sample.detach(), sigma=sigma[[row]],
                               sigma_next=sigma_next[[row]], sde=out, train=train[[row]], grad=True, row=row)
 
@@ -319,7 +346,6 @@ class RolloutLoop:
         t, x = self.t, self.x
         sigma, sigma_next = self.sigmas[:, t], self.sigmas[:, t + 1]
         train = self.selected[:, t] & self.grad_steps[:, t]
-        generators = step_generators(self.noise_seeds, t)
         trained = train.nonzero().flatten().tolist()
         rest = [r for r in range(x.shape[0]) if r not in trained]
         if sorted(row_velocities) != trained or (rest_velocity is None) != (not rest):
@@ -329,8 +355,8 @@ class RolloutLoop:
             for rows, velocity in ([(rest, rest_velocity)] if rest else []) + \
                     [([r], row_velocities[r]) for r in trained]:
                 _, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
-                                                         self.sde_steps[rows, t], self.sde,
-                                                         [generators[r] for r in rows], self.split, self.ode.on(rows))
+                                                         self.sde_steps[rows, t], self.sde, partial(self._noise, rows),
+                                                         self.ode.on(rows))
         self._record(None, prev, log_prob, train, False)
 
     def step_with(self, velocity: torch.Tensor) -> None:
@@ -339,11 +365,11 @@ class RolloutLoop:
         grad = self.grad
         if grad and self.per_sample_grad:
             raise RuntimeError(f"step {self.t} runs each trained row's forward alone: it must be the loop's own")
-        t = self.t
+        t, every = self.t, list(range(self.x.shape[0]))
         with torch.set_grad_enabled(grad):
             out, prev, log_prob = _advance(velocity, self.x, self.sigmas[:, t], self.sigmas[:, t + 1],
-                                           self.sde_steps[:, t], self.sde, step_generators(self.noise_seeds, t),
-                                           self.split, self.ode.on())
+                                           self.sde_steps[:, t], self.sde, partial(self._noise, every),
+                                           self.ode.on())
         del velocity
         self._record(out, prev, log_prob, self.selected[:, t] & self.grad_steps[:, t], grad)
 
@@ -358,6 +384,7 @@ class RolloutLoop:
             self.on_step(StepRecord(t=t, latents=x, next_latents=prev, sigma=self.sigmas[:, t],
                                     sigma_next=self.sigmas[:, t + 1], sde=out, train=train, grad=grad))
         self.x, self.t = prev, t + 1
+        self._noises = {}
 
     def trajectory(self) -> Trajectory:
         """The float32 :class:`Trajectory` (detached), once :attr:`done`."""

@@ -89,16 +89,33 @@ def _scalar(value: float | torch.Tensor | None, name: str, kind: str) -> float:
     return value
 
 
+def check_decreasing(sigma: torch.Tensor, sigma_next: torch.Tensor) -> None:
+    """ValueError unless every σ' < σ (steps go from noise to data); reads the data (a host sync on an accelerator)."""
+    if not bool((sigma_next < sigma).all()):
+        raise ValueError("every sigma_next must be smaller than its sigma (steps go from noise to data)")
+
+
+def _usable_sigma_max(sigma_max: float | torch.Tensor | None) -> float | None:
+    """``sigma_max`` as a float when it is a schedule's σ_1 in (0, 1), else None (read without a host sync when it
+    is a float, as :class:`~leangrpo_mcore.diffusion.sampler.SDEParams` holds it)."""
+    if sigma_max is None:
+        return None
+    value = float(sigma_max.item()) if isinstance(sigma_max, torch.Tensor) else float(sigma_max)
+    return value if math.isfinite(value) and 0.0 < value < 1.0 else None
+
+
 def _flow_grpo_std_t(
     sigma: torch.Tensor, noise_level: float, sigma_max: float | torch.Tensor | None
 ) -> torch.Tensor:
     at_one = sigma == 1
-    if bool(at_one.any()):
-        # σ = 1 would divide by zero; the reference substitutes the schedule's σ_1 in the denominator only.
+    sig_max = _usable_sigma_max(sigma_max)
+    if sig_max is not None:
+        # σ = 1 would divide by zero; the reference substitutes the schedule's σ_1 in the denominator only. The
+        # substitution is a select, not a branch on the data: no host sync per step.
+        denom_sigma = torch.where(at_one, sig_max, sigma)
+    elif bool(at_one.any()):
         sig_max = _scalar(sigma_max, "sigma_max", "flow_grpo")
-        if not 0.0 < sig_max < 1.0:
-            raise ValueError(f"sigma_max must be the schedule's sigma_1 in (0, 1), got {sig_max}")
-        denom_sigma = torch.where(at_one, torch.full_like(sigma, sig_max), sigma)
+        raise ValueError(f"sigma_max must be the schedule's sigma_1 in (0, 1), got {sig_max}")
     else:
         denom_sigma = sigma
     return noise_level * torch.sqrt(sigma / (1 - denom_sigma))
@@ -111,12 +128,15 @@ def transition_std(
     noise_level: float,
     sigma_max: float | torch.Tensor | None = None,
     sigma_min: float | torch.Tensor | None = None,
+    *,
+    check: bool = True,
 ) -> TransitionStd:
     """Transition std ``s`` and ``std_t`` of step σ → σ' for ``kind`` (elementwise, float32).
 
     ``s`` is what the log-density uses; ``std_t`` (s without sqrt(−dt)) is what FlowGRPO's SD3/FLUX KL
     divides by (docs/algorithms.md §4). ``sigma_max`` is needed by ``flow_grpo`` when σ == 1 and by ``wan``,
-    ``sigma_min`` by ``wan``. Checks σ' < σ (one host sync on an accelerator).
+    ``sigma_min`` by ``wan``. ``check``: check σ' < σ (one host sync on an accelerator); the rollout loop checks its
+    whole schedule once on the host instead (:meth:`~leangrpo_mcore.diffusion.sampler.SDEParams.check_schedule`).
     """
     _check_kind(kind)
     _check_noise_level(kind, noise_level)
@@ -124,8 +144,8 @@ def transition_std(
     sigma_next = torch.as_tensor(sigma_next).to(device=sigma.device, dtype=torch.float32)
     if sigma.shape != sigma_next.shape:
         raise ValueError(f"sigma {tuple(sigma.shape)} and sigma_next {tuple(sigma_next.shape)} differ in shape")
-    if not bool((sigma_next < sigma).all()):
-        raise ValueError("every sigma_next must be smaller than its sigma (steps go from noise to data)")
+    if check:
+        check_decreasing(sigma, sigma_next)
     sqrt_neg_dt = torch.sqrt(sigma - sigma_next)
     if kind == "flow_grpo_cps":
         std = sigma_next * math.sin(noise_level * math.pi / 2)
@@ -226,6 +246,7 @@ def sde_step(
     sigma_min: float | torch.Tensor | None = None,
     noise: torch.Tensor | None = None,
     sample_mean: SampleMean = local_mean,
+    check: bool = True,
 ) -> SDEStep:
     """One SDE step x_t → x_{t+1} of variant ``kind`` with the log-density of x_{t+1} (module docstring).
 
@@ -233,7 +254,7 @@ def sde_step(
     given its log-density is evaluated; otherwise x_{t+1} = μ + s·ε with ε drawn in float32 from
     ``generator`` (a ``torch.Generator``, a sequence of B generators drawing one sample each, or None
     for the global RNG), or ``noise`` ε itself is given (float32, ``sample``'s shape). For ``dance_grpo``
-    ``noise_level`` is η; ``wan`` does not use it.
+    ``noise_level`` is η; ``wan`` does not use it. ``check``: check σ' < σ here (:func:`transition_std`).
     """
     _check_kind(kind)
     _check_tensors(model_output, sample, prev_sample, generator)
@@ -244,7 +265,8 @@ def sde_step(
     model_output = model_output.to(torch.float32)
     sigma = _batch_sigma(sigma, batch, "sigma", device)
     sigma_next = _batch_sigma(sigma_next, batch, "sigma_next", device)
-    stds = transition_std(kind, sigma, sigma_next, noise_level, sigma_max=sigma_max, sigma_min=sigma_min)
+    stds = transition_std(kind, sigma, sigma_next, noise_level, sigma_max=sigma_max, sigma_min=sigma_min,
+                          check=check)
     std = _per_sample(stds.std, ndim)
     sig, sig_next = _per_sample(sigma, ndim), _per_sample(sigma_next, ndim)
     if kind == "flow_grpo_cps":

@@ -90,6 +90,15 @@ def step_generators(noise_seeds: torch.Tensor, t: int) -> list[torch.Generator]:
     return [generator(int(seed)) for seed in noise_seeds[:, t].tolist()]
 
 
+def step_noise(noise_seeds: torch.Tensor, t: int, rows: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+    """(len(rows), *shape) float32 standard normal SDE noise of denoising step ``t`` of the samples ``rows``, drawn on
+    the CPU, each from its own generator seeded by the (B, T) ``noise_seeds`` (:func:`sde_noise_seeds`): the same
+    numbers as :func:`step_generators`' generators draw, made only for the rows asked for."""
+    seeds = noise_seeds[list(rows), t].tolist()
+    return torch.stack([torch.randn(tuple(shape), generator=generator(int(seed)), dtype=torch.float32)
+                        for seed in seeds])
+
+
 def eval_inputs(seed: int, prompt_indices: Sequence[int], sample_indices: Sequence[int], shape: Sequence[int],
                 num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The evaluation noise of B samples named by (eval prompt index, sample index): (B, *shape) float32 initial

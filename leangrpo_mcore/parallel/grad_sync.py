@@ -15,7 +15,8 @@ Modes of :class:`GradSync`:
   local gradient out and reduces it with ONE flat reduce-scatter (+ one all-reduce over dp_replicate).
 
 Reweight works on the local slot directly: :meth:`take_local` moves the accumulated gradient out (no copy),
-:meth:`put_local` installs a buffer as the accumulation target (so a backward adds into it in place), and
+:meth:`put_local` installs a buffer as the accumulation target (so a backward adds into it in place),
+:meth:`swap_local` does both in one pass over the parameters (one sample's gradient out, the next one's in), and
 :meth:`reduce_local` reduces any list of local gradients — e.g. Σ_i A_i·P_i formed *before* any
 cross-sample reduction — into the reduced gradients.
 
@@ -88,6 +89,7 @@ class GradSync:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._fsdp_params = self._map_fsdp_params() if self.fsdp else None
         self._pending: LocalGrads | None = None
+        self._sync_on: Optional[bool] = None
         self.num_reductions = 0
         """Flat reduce-scatters issued by :meth:`reduce_local` (FSDP2's own ones are not counted)."""
 
@@ -103,44 +105,74 @@ class GradSync:
         return [by_param[id(p)] for p in self.params]
 
     # ------------------------------------------------------------------ backward
+    def _set_sync(self, on: bool) -> None:
+        """FSDP2's gradient sync on or off; set only when it changes (setting it walks every FSDP2 module), so
+        everything here sets it through this method."""
+        if self.fsdp and self._sync_on is not on:
+            self.model.set_requires_gradient_sync(on)
+            self._sync_on = on
+
     @contextlib.contextmanager
     def backward_mode(self) -> Iterator[None]:
         """Backwards inside synchronise as the mode says: FSDP2 reduce-scatters each one only in
         ``per_backward`` mode (megatron's ``no_sync_func`` slot; see ``parallel/pipeline.py``)."""
-        if self.fsdp:
-            self.model.set_requires_gradient_sync(self.mode == "per_backward")
+        self._set_sync(self.mode == "per_backward")
         yield
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
         """``loss.backward()``; FSDP2 reduce-scatters inside it only in ``per_backward`` mode."""
-        if self.fsdp:
-            self.model.set_requires_gradient_sync(self.mode == "per_backward")
+        self._set_sync(self.mode == "per_backward")
         loss.backward(retain_graph=retain_graph)
 
     def backward_local(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
         """``loss.backward()`` into the local slot only (never synchronised), whatever the mode."""
-        if self.fsdp:
-            self.model.set_requires_gradient_sync(False)
+        self._set_sync(False)
         loss.backward(retain_graph=retain_graph)
 
     # ------------------------------------------------------------------ local slot
     def take_local(self) -> LocalGrads:
         """Move the locally accumulated (unsharded) gradients out of the slot, leaving it empty."""
+        return self.swap_local(None)
+
+    def swap_local(self, grads: LocalGrads | None) -> LocalGrads:
+        """Move the slot's gradients out (:meth:`take_local`) and install ``grads`` as the next backward's
+        accumulation target (:meth:`put_local`; None: leave the slot empty), in one pass over the parameters."""
+        if grads is not None and len(grads) != len(self.params):
+            raise ValueError(f"got {len(grads)} gradients for {len(self.params)} trainable parameters")
         if not self.fsdp:
-            grads = [p.grad for p in self.params]
-            for p in self.params:
-                p.grad = None
-            return grads
-        grads: LocalGrads = []
-        for fp in self._fsdp_params:
+            out = [p.grad for p in self.params]
+            for p, g in zip(self.params, grads or [None] * len(self.params)):
+                p.grad = g
+            return out
+        out: LocalGrads = []
+        for fp, g in zip(self._fsdp_params, grads or [None] * len(self._fsdp_params)):
             acc = fp.unsharded_accumulated_grad
             fp.unsharded_accumulated_grad = None
             raw = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
             if raw is not None:
                 fp._unsharded_param.grad = None
                 acc = raw if acc is None else acc.add_(raw.to(acc.dtype))
-            grads.append(acc)
-        return grads
+            out.append(acc)
+            if g is not None:
+                self._install(fp, g)
+        return out
+
+    @staticmethod
+    def _install(fp, g: torch.Tensor) -> None:
+        """``g`` as the accumulation target of FSDP2 parameter ``fp`` (its slot empty)."""
+        if fp.reduce_dtype is not None and g.dtype == fp.reduce_dtype and g.dtype != fp._unsharded_param.dtype:
+            fp.unsharded_accumulated_grad = g
+        else:
+            fp._unsharded_param.grad = g
+
+    def local_tensors(self) -> Iterator[torch.Tensor]:
+        """The gradient tensors in the local slot now, left where they are."""
+        if not self.fsdp:
+            yield from (p.grad for p in self.params if p.grad is not None)
+            return
+        for fp in self._fsdp_params:
+            raw = fp._unsharded_param.grad if hasattr(fp, "_unsharded_param") else None
+            yield from (g for g in (fp.unsharded_accumulated_grad, raw) if g is not None)
 
     def put_local(self, grads: LocalGrads) -> None:
         """Install ``grads`` as the accumulation target of the next backward (the slot must be empty)."""
@@ -157,10 +189,7 @@ class GradSync:
                 continue
             if fp.unsharded_accumulated_grad is not None or fp._unsharded_param.grad is not None:
                 raise RuntimeError("put_local on an occupied gradient slot")
-            if fp.reduce_dtype is not None and g.dtype == fp.reduce_dtype and g.dtype != fp._unsharded_param.dtype:
-                fp.unsharded_accumulated_grad = g
-            else:
-                fp._unsharded_param.grad = g
+            self._install(fp, g)
 
     # ------------------------------------------------------------------ reduction
     def reduce_local(self, grads: LocalGrads) -> None:
@@ -218,8 +247,7 @@ class GradSync:
             for p, g in zip(self.params, self._pending):
                 p.grad = g
             self._pending = None
-        if self.fsdp:
-            self.model.set_requires_gradient_sync(True)
+        self._set_sync(True)
 
     def reduced_grads(self) -> list[Optional[torch.Tensor]]:
         """The reduced gradients (sharded DTensors under FSDP2), in ``params`` order."""

@@ -62,6 +62,8 @@ def _check_scheduler_calls() -> None:
     _has_parameters(schedules.get_forward_backward_func, ("pp_size", "vp_size"))
     for fn in (schedules.forward_backward_no_pipelining, schedules.forward_backward_pipelining_without_interleaving):
         _has_parameters(fn, _SCHEDULE_KWARGS)
+    # a pipelined call's one boundary shape replaces the (seq, micro-batch, hidden) shapes it would derive
+    _has_parameters(schedules.forward_backward_pipelining_without_interleaving, ("adjust_tensor_shapes_fn",))
 
 
 def _check_config_reads() -> None:

@@ -20,10 +20,15 @@ in turn. What megatron reads from the model's config is built here, once per cal
   point-to-point module of the pipeline stages (:mod:`leangrpo_mcore.parallel.stages`) its receive buffers on
   ``torch.cuda.current_device()``; on a machine without CUDA those calls run with the allocations redirected to
   the CPU (:func:`cpu_bridge`). Nothing else on these paths touches CUDA.
-- **pipeline stages** (``parallel.pp`` > 1). megatron's 1F1B frees each sent output's data as soon as it is
-  sent (``deallocate_pipeline_outputs``), and an exception in the last stage's forward or loss is held until the
-  call is over, then raised on every stage (:class:`_PipelineGuard`): megatron's schedules cannot abort, and
-  the earlier stages would otherwise wait for gradients until the process group's timeout.
+- **pipeline stages** (``parallel.pp`` > 1). All micro-batches of a call share one boundary shape, which the
+  caller gives (``tensor_shape``, from the policy stage's ``boundary_shape``): megatron then allocates each receive
+  buffer in that shape (``variable_seq_lengths`` off: no shape exchange before every transfer), and no transfer
+  synchronises the device afterwards (``batch_p2p_sync`` off, as in :class:`~leangrpo_mcore.parallel.stages.StageLink`;
+  the synchronisation only worked around an old NCCL bug). Without a ``tensor_shape`` the shapes travel with every
+  transfer. megatron's 1F1B frees each sent output's data as soon as it is sent
+  (``deallocate_pipeline_outputs``), and an exception in the last stage's forward or loss is held until the call
+  is over, then raised on every stage (:class:`_PipelineGuard`): megatron's schedules cannot abort, and the
+  earlier stages would otherwise wait for gradients until the process group's timeout.
 - **phases.** megatron brackets each micro-batch's forward + loss (``forward-compute``) and its backward
   (``backward-compute``) with ``config.timers``; :class:`_PhaseTimers` turns those brackets into the
   project's phase hook, so the step's phase breakdown names exactly what the scheduler ran. They only time:
@@ -60,8 +65,8 @@ class ScheduleConfig(ModelParallelConfig):
     calculate_per_token_loss: bool = True
     """Backpropagate ``loss_func``'s loss as returned (the unit losses carry the update's weight already)."""
     hidden_size: int = 0
-    """The 1F1B schedules' nominal boundary width; unused: the boundary shapes are exchanged before each
-    transfer (``variable_seq_lengths``)."""
+    """The 1F1B schedules' nominal boundary width; unused: the boundary shape is the call's ``tensor_shape``
+    (``adjust_tensor_shapes_fn``), or exchanged before each transfer (``variable_seq_lengths``)."""
     fine_grained_activation_offloading: bool = False
     """Megatron's activation offloading (unused here)."""
 
@@ -124,11 +129,15 @@ class _PhaseTimers:
 
 
 def schedule_config(grad_sync: Optional[GradSync], phase: PhaseFn, phases: dict[str, str],
-                    dtype: torch.dtype = torch.float32, pipelined: bool = False) -> ScheduleConfig:
+                    dtype: torch.dtype = torch.float32, pipelined: bool = False,
+                    variable_shapes: bool = True) -> ScheduleConfig:
     """The config megatron's scheduler reads: ``grad_sync``'s mode as ``no_sync_func``, ``phase`` as timers.
     ``pipelined`` (stages of ``parallel.pp`` > 1): megatron's 1F1B frees each sent output's data at once
-    (``deallocate_pipeline_outputs``, see :class:`_PipelineGuard`)."""
-    return ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=True, deallocate_pipeline_outputs=pipelined,
+    (``deallocate_pipeline_outputs``, see :class:`_PipelineGuard`); ``variable_shapes``: each transfer exchanges
+    its shape first (off when the call's one boundary shape is known: module doc). No transfer synchronises the
+    device after it (``batch_p2p_sync``)."""
+    return ScheduleConfig(pipeline_dtype=dtype, variable_seq_lengths=variable_shapes, batch_p2p_sync=False,
+                          deallocate_pipeline_outputs=pipelined,
                           no_sync_func=grad_sync.backward_mode if grad_sync is not None else None,
                           grad_sync_func=None,
                           finalize_model_grads_func=None, grad_scale_func=None,
@@ -312,8 +321,8 @@ waits for the other stages)."""
 def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequence, grad_sync: Optional[GradSync],
                       *, phase: PhaseFn, phases: dict[str, str], forward_only: bool = False,
                       dtype: torch.dtype = torch.float32, pipeline: Optional[torch.nn.Module] = None,
-                      ctx=None, input_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-                      ) -> Optional[list]:
+                      ctx=None, input_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                      tensor_shape: Optional[tuple[int, ...]] = None) -> Optional[list]:
     """Run ``micro_batches`` (any objects ``forward_step_func`` draws from its iterator) through megatron's
     ``get_forward_backward_func()``; returns the scheduler's per-micro-batch ``reduced`` (the last stage's).
 
@@ -323,7 +332,8 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     tensor on a stage other than the last, the boundaries and their gradients travel in ``dtype``, and the
     transfers are timed as the ``bubble`` phase. A ``forward_only`` call may go without ``grad_sync`` (then ``ctx``
     is the parallel context): nothing is backpropagated, so nothing is synchronised. ``input_hook`` maps each
-    boundary the scheduler hands a stage before the policy sees it. Where each micro-batch's gradient accumulates
+    boundary the scheduler hands a stage before the policy sees it; ``tensor_shape`` is the boundary shape every
+    micro-batch shares (None: exchanged before each transfer). Where each micro-batch's gradient accumulates
     is the caller's choice: a :class:`~leangrpo_mcore.parallel.routing.GradientRouter` hooked inside
     ``forward_step_func`` routes each backward to its own slot."""
     if not micro_batches:
@@ -337,7 +347,7 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     pp = int(ctx.layout.pp) if pipeline is not None else 1
     if pp > 1:
         phases = {**phases, **{name: "bubble" for name in P2P_TIMERS}}
-    config = schedule_config(grad_sync, phase, phases, dtype, pipelined=pp > 1)
+    config = schedule_config(grad_sync, phase, phases, dtype, pipelined=pp > 1, variable_shapes=tensor_shape is None)
     guard = _PipelineGuard(ctx, pp, forward_only) if pp > 1 else None
     if guard is not None:
         forward_step_func, input_hook = guard.forward_step(forward_step_func), guard.recording(input_hook)
@@ -347,6 +357,9 @@ def run_micro_batches(forward_step_func: ForwardStepFunc, micro_batches: Sequenc
     extra = {}
     if pp > 1:
         extra["p2p_communicator"] = P2PCommunicator(pp_group=ctx.pp_group, config=config)
+        if tensor_shape is not None:
+            shapes = [tuple(tensor_shape)]
+            extra["adjust_tensor_shapes_fn"] = lambda recv, send: (shapes, shapes)
     with cpu_bridge(), sync:
         out = forward_backward(forward_step_func=forward_step_func, data_iterator=iter(micro_batches),
                                model=stage, num_microbatches=len(micro_batches), seq_length=0,

@@ -16,19 +16,20 @@ one backpropagates the same loss: the schedules do not change) runs the pipeline
 
 Point-to-point transfers go through megatron-core's ``P2PCommunicator`` (``send_forward`` / ``recv_forward`` /
 ``send_backward`` / ``recv_backward``, shapes exchanged first); the velocity broadcast is one collective of the
-pipeline group. A lock-step forward does not pipeline across samples: while one stage computes, the others
-wait in a receive, and that wait is the ``bubble`` phase of the step's breakdown ((pp − 1)/pp of its time per
-stage). The step's bulk therefore goes through megatron's pipelined schedules instead, several forwards at once:
-:meth:`StagedVelocity.velocities` (forward-only, graphs kept under grad) and :meth:`StagedVelocity.trained`
-(1F1B, each forward backpropagated at once); a lock-step forward is only ever a single one (a pipelined call
-of one request). What each stage holds is its own: its blocks' parameters, gradients, optimizer
-state, graphs (Retain) and provisional gradients (Reweight), all synchronised over the stage's own data-parallel
-ranks.
+pipeline group, one per pipelined call whatever its number of requests. A lock-step forward does not pipeline
+across samples: while one stage computes, the others wait in a receive, and that wait is the ``bubble`` phase of
+the step's breakdown ((pp − 1)/pp of its time per stage). The step's bulk therefore goes through megatron's
+pipelined schedules instead, several forwards at once: :meth:`StagedVelocity.velocities` (forward-only, graphs
+kept under grad) and :meth:`StagedVelocity.trained` (1F1B, each forward backpropagated at once); a lock-step
+forward is only ever a single one (a pipelined call of one request). What each stage holds is its own: its
+blocks' parameters, gradients, optimizer state, graphs (Retain) and provisional gradients (Reweight), all
+synchronised over the stage's own data-parallel ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Callable, ContextManager, Iterator, Optional
 
@@ -118,10 +119,25 @@ class StageLink:
 
     def broadcast_velocity(self, velocity: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         """The last stage's float32 velocity on every stage (``like``: the latents, whose shape it has)."""
-        out = velocity.detach().contiguous() if self.last else torch.empty_like(like, dtype=torch.float32)
+        return self.broadcast_velocities([velocity], [like])[0]
+
+    def broadcast_velocities(self, velocities: list[Optional[torch.Tensor]], likes: list[torch.Tensor]
+                             ) -> list[torch.Tensor]:
+        """The last stage's float32 velocities on every stage (``likes``: the latents, whose shapes they have),
+        all in one collective: a pipelined call ends with one broadcast, not one blocking broadcast per request."""
+        if not likes:
+            return []
+        if self.last:
+            parts = [v.detach().to(torch.float32).reshape(-1) for v in velocities]
+            flat = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+        else:
+            flat = torch.empty(sum(like.numel() for like in likes), dtype=torch.float32, device=likes[0].device)
         with self._waiting() if not self.last else contextlib.nullcontext():
-            dist.broadcast(out, src=self.last_rank, group=self.group)
-        return out
+            dist.broadcast(flat, src=self.last_rank, group=self.group)
+        if self.last:
+            return [v.detach().contiguous() for v in velocities]
+        pieces = flat.split([like.numel() for like in likes])
+        return [piece.view(like.shape) for piece, like in zip(pieces, likes)]
 
     # ------------------------------------------------------------------ autograd hand-offs
     def received(self) -> torch.Tensor:
@@ -207,6 +223,18 @@ class StagedVelocity:
         """This stage's boundary tensor (inside :meth:`scheduled`, on a stage other than the last)."""
         return self.policy(**self.inner.policy_inputs(latents, sigma, conditioning))
 
+    def boundary_shape(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]
+                       ) -> Optional[tuple[int, ...]]:
+        """The boundary shape every forward of ``requests`` sends and receives (a pipelined call's
+        ``tensor_shape``), from the policy stage's ``boundary_shape`` and the requests' shapes alone; None when the
+        policy cannot tell it or the requests differ in it (then the shapes travel with every transfer)."""
+        shape_of = getattr(self.policy, "boundary_shape", None)
+        if shape_of is None:
+            return None
+        shapes = {tuple(shape_of(**self.inner.policy_inputs(*_on_meta(request))))
+                  for request in _distinct(requests).values()}
+        return shapes.pop() if len(shapes) == 1 else None
+
     def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
         """(B, *shape) float32 velocity, identical on every stage."""
         inputs = self.inner.policy_inputs(latents, sigma, conditioning)
@@ -256,9 +284,9 @@ class StagedVelocity:
         with self.scheduled():
             out = run_micro_batches(forward_step, requests, None, phase=self.link.track, phases={},
                                     forward_only=True, dtype=self.link.dtype, pipeline=self.policy,
-                                    ctx=self.link.ctx, input_hook=hook)
-        shared = [self.link.broadcast_velocity(out[i] if self.link.last else None, latents)
-                  for i, (latents, _, _) in enumerate(requests)]
+                                    ctx=self.link.ctx, input_hook=hook, tensor_shape=self.boundary_shape(requests))
+        shared = self.link.broadcast_velocities(list(out) if self.link.last else [None] * len(requests),
+                                                [latents for latents, _, _ in requests])
         if not keep:
             return shared
         if self.link.last:
@@ -295,8 +323,10 @@ class StagedVelocity:
 
         with self.scheduled():
             run_micro_batches(forward_step, list(enumerate(units)), grad_sync, phase=self.link.track,
-                              phases=phases, dtype=self.link.dtype, pipeline=self.policy)
-        return [self.link.broadcast_velocity(outputs.get(i), latents) for i, (latents, _, _) in enumerate(requests)]
+                              phases=phases, dtype=self.link.dtype, pipeline=self.policy,
+                              tensor_shape=self.boundary_shape([requests[i] for i in sorted(set(units))]))
+        return self.link.broadcast_velocities([outputs.get(i) for i in range(len(requests))],
+                                              [latents for latents, _, _ in requests])
 
     def reference(self) -> contextlib.AbstractContextManager:
         """The inner function's reference context (adapters disabled on every stage)."""
@@ -324,6 +354,13 @@ class SplitStages(SplitVelocity):
         """The inner stages' scheduled mode (:meth:`StagedVelocity.scheduled`)."""
         return self.inner.scheduled()
 
+    def boundary_shape(self, requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]
+                       ) -> Optional[tuple[int, ...]]:
+        """:meth:`StagedVelocity.boundary_shape` of the pieces (the whole latents' shape, without gathering)."""
+        whole = [(torch.empty((latents.shape[0], *self.split.latent_shape), dtype=latents.dtype, device="meta"),
+                  sigma, conditioning) for latents, sigma, conditioning in requests]
+        return self.inner.boundary_shape(whole)
+
     def _whole(self, requests: list) -> list:
         return [(self.split.gather(latents), sigma, conditioning) for latents, sigma, conditioning in requests]
 
@@ -342,6 +379,28 @@ class SplitStages(SplitVelocity):
         out = self.inner.trained(self._whole(requests), units, lambda k, v: loss_of(k, self.split.shard(v)),
                                  route, grad_sync, phases=phases, forward_context=forward_context)
         return [self.split.shard(v) for v in out]
+
+
+def _distinct(requests: list[tuple[torch.Tensor, torch.Tensor, Conditioning]]) -> dict:
+    """One request per distinct signature (the shapes of its latents, sigma and conditioning tensors)."""
+    out = {}
+    for request in requests:
+        latents, sigma, conditioning = request
+        fields = (getattr(conditioning, f.name) for f in dataclasses.fields(conditioning))
+        key = (tuple(latents.shape), tuple(sigma.shape),
+               tuple(None if t is None else tuple(t.shape) for t in fields))
+        out.setdefault(key, request)
+    return out
+
+
+def _on_meta(request: tuple[torch.Tensor, torch.Tensor, Conditioning]) -> tuple:
+    """``request`` with every tensor on the meta device: its shapes and dtypes, no data (nothing computed)."""
+    def meta(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    latents, sigma, conditioning = request
+    fields = {f.name: meta(getattr(conditioning, f.name)) for f in dataclasses.fields(conditioning)}
+    return meta(latents), meta(sigma), dataclasses.replace(conditioning, **fields)
 
 
 def split_velocity(inner, split) -> SplitVelocity:

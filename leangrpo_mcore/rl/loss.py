@@ -109,8 +109,9 @@ def grpo_step_loss(
     return loss, metrics
 
 
-def _per_sample_std(std: Tensor, like: Tensor, name: str) -> Tensor:
-    """A (B,) or broadcastable std as float32, reshaped to broadcast against ``like`` (B, ...)."""
+def _per_sample_std(std: Tensor, like: Tensor, name: str, check: bool = True) -> Tensor:
+    """A (B,) or broadcastable std as float32, reshaped to broadcast against ``like`` (B, ...); ``check``: that it is
+    positive (a host sync on an accelerator)."""
     std = torch.as_tensor(std, device=like.device).detach().float()
     if std.ndim == 1 and like.ndim > 1 and std.shape[0] == like.shape[0]:
         std = std.reshape(-1, *([1] * (like.ndim - 1)))
@@ -120,7 +121,7 @@ def _per_sample_std(std: Tensor, like: Tensor, name: str) -> Tensor:
         fits = False
     if not fits:
         raise ValueError(f"{name} of shape {tuple(std.shape)} does not broadcast to {tuple(like.shape)}")
-    if bool((std <= 0).any()):
+    if check and bool((std <= 0).any()):
         raise ValueError(f"{name} must be > 0 everywhere")
     return std
 
@@ -133,6 +134,7 @@ def kl_loss(
     transition_std: Optional[Tensor] = None,
     form: str = "flow_grpo",
     sample_mean: Optional[Callable[[Tensor], Tensor]] = None,
+    check: bool = True,
 ) -> Tensor:
     """KL penalty (B,) float32 between the policy's and the reference's SDE transition means.
 
@@ -147,7 +149,8 @@ def kl_loss(
 
     Stds are (B,) per-sample values or broadcastable to ``mean``; ``ref_mean`` and the std are
     treated as constants (detached); gradients flow through ``mean`` only. ``sample_mean`` replaces that mean
-    when a sample is split over context-parallel ranks (``diffusion.sde.SampleMean``).
+    when a sample is split over context-parallel ranks (``diffusion.sde.SampleMean``). ``check``: check the std is
+    positive (reads it back from the device); a caller whose std is positive by construction passes False.
     """
     if form not in KL_FORMS:
         raise ValueError(f"unknown KL form '{form}'; valid: {', '.join(KL_FORMS)}")
@@ -160,7 +163,7 @@ def kl_loss(
     if given[wanted] is None or given[other] is not None:
         raise ValueError(f"KL form '{form}' takes {wanted} (and not {other})")
     diff = mean.float() - ref_mean.detach().float()
-    std = _per_sample_std(given[wanted], diff, wanted)
+    std = _per_sample_std(given[wanted], diff, wanted, check)
     per_elem = diff**2 / (2.0 * std**2)
     if per_elem.ndim == 1:
         return per_elem

@@ -204,30 +204,50 @@ class PhaseTimer:
 def kl_value(sde: SDEParams, objective: Objective, mean: torch.Tensor, ref_mean: torch.Tensor,
              std: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
     """(B,) KL of the step to the reference in the configured form (gradient through ``mean``)."""
+    # On a checked schedule (σ' < σ: SDEParams.check_schedule) std_t and s are positive for every kind but cps,
+    # whose s = σ'·sin(aπ/2) is 0 at σ' = 0: only there does the KL read its std back to check it.
+    check = sde.kind == "flow_grpo_cps"
     if objective.kl_form == "flow_grpo":
         return kl_loss(mean, ref_mean, std_t=sde.std_t(sigma, sigma_next), form="flow_grpo",
-                       sample_mean=sde.sample_mean)
-    return kl_loss(mean, ref_mean, transition_std=std, form="exact", sample_mean=sde.sample_mean)
+                       sample_mean=sde.sample_mean, check=check)
+    return kl_loss(mean, ref_mean, transition_std=std, form="exact", sample_mean=sde.sample_mean, check=check)
+
+
+def selected_rows(train: torch.Tensor) -> Optional[list[int]]:
+    """The rows of the (B,) bool ``train`` mask, or None when every row trains. ``train`` is host data (the steps
+    are selected before the rollout), so reading it costs no device sync."""
+    rows = train.nonzero().flatten().tolist()
+    return None if len(rows) == train.numel() else rows
+
+
+def _masked_sum(per_sample: torch.Tensor, train: torch.Tensor, rows: Optional[list[int]]) -> torch.Tensor:
+    """Σ of ``per_sample`` over the train rows: a select on the device (no boolean indexing, which syncs), or the
+    plain sum when every row trains (the same bits: the select would pass every value through)."""
+    if rows is None:
+        return per_sample.sum()
+    return torch.where(train.to(per_sample.device), per_sample, torch.zeros_like(per_sample)).sum()
 
 
 def unit_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
               train: torch.Tensor, weight: float, objective: Objective,
               kl: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weighted loss of the unit, ρ of its train rows) — the one loss definition of every schedule."""
+    """(weighted loss of the unit, ρ of its train rows) — the one loss definition of every schedule. ``train`` is a
+    (B,) bool host tensor; the unit reads nothing back from the device."""
     per_sample, _ = grpo_step_loss(log_prob, old_log_prob, advantages, clip_range=objective.clip_range)
     if kl is not None:
         per_sample = per_sample + objective.kl_beta * kl
-    train = train.to(per_sample.device)
-    loss = torch.where(train, per_sample, torch.zeros_like(per_sample)).sum() * weight
-    ratio = torch.exp(log_prob.detach() - old_log_prob.detach())[train]
+    rows = selected_rows(train)
+    loss = _masked_sum(per_sample, train, rows) * weight
+    ratio = torch.exp(log_prob.detach() - old_log_prob.detach())
+    if rows is not None:
+        ratio = ratio.index_select(0, torch.tensor(rows, dtype=torch.long).to(ratio.device))
     return loss, ratio
 
 
 def kl_unit_loss(kl: torch.Tensor, train: torch.Tensor, weight: float, objective: Objective) -> torch.Tensor:
     """The KL part alone, weighted like :func:`unit_loss` (Reweight backpropagates it unscaled)."""
     per_sample = objective.kl_beta * kl
-    train = train.to(per_sample.device)
-    return torch.where(train, per_sample, torch.zeros_like(per_sample)).sum() * weight
+    return _masked_sum(per_sample, train, selected_rows(train)) * weight
 
 
 def pipelined(velocity_fn):

@@ -70,9 +70,11 @@ class NativeSchedule(Schedule):
             steps = [(u.traj.latents[:, u.t], u.traj.next_latents[:, u.t], u.traj.sigmas[:, u.t],
                       u.traj.sigmas[:, u.t + 1], u.traj.conditioning) for u in units]
             units = [dataclasses.replace(unit, ref_mean=mean) for unit, mean in zip(units, self.reference_means(steps))]
+        shape = staged.boundary_shape([(u.traj.latents[:, u.t], u.traj.sigmas[:, u.t], u.traj.conditioning)
+                                       for u in units])
         with staged.scheduled():
             run_micro_batches(self.forward_step, units, self.ctx.grad_sync, phase=self.ctx.phase, phases=PHASES,
-                              dtype=staged.link.dtype, pipeline=staged.policy)
+                              dtype=staged.link.dtype, pipeline=staged.policy, tensor_shape=shape)
 
     def forward_step(self, data_iterator: Iterator[RecomputeUnit], model) -> tuple[torch.Tensor, Optional[Callable]]:
         """megatron's ``forward_step_func``: the unit's recompute; its loss is formed by the returned loss_func.

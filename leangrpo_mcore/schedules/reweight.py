@@ -175,29 +175,60 @@ class ReweightSchedule(Schedule):
         self._affine: dict[int, list] = {}
         self._folded: Optional[LocalGrads] = None
         self._alpha: Optional[float] = None
+        self._held: Optional[tuple[dict, object]] = None
 
     # ------------------------------------------------------------------ rollout: immediate backward
     @contextlib.contextmanager
     def _accumulating(self, store: dict, key) -> Iterator[None]:
         """Backwards inside accumulate into ``store[key]`` (an empty slot when it has none yet), which then holds
         the result, moved out of the slot."""
+        self._settle()
         sync = self.ctx.grad_sync
         if store.get(key) is not None:
             sync.put_local(self._to_slot(store[key]))
         yield
-        grads = sync.take_local()
+        store[key] = self._from_slot(sync.take_local())
+
+    def _from_slot(self, grads: LocalGrads) -> LocalGrads:
+        """Gradients moved out of the slot, in the provisional dtype (the slot's dtypes remembered)."""
+        if self.plan.provisional_dtype is None:
+            return grads
         self._slot_dtypes = [None if g is None else g.dtype for g in grads]
-        if self.plan.provisional_dtype is not None:
-            dtype = torch_dtype(self.plan.provisional_dtype)
-            grads = [None if g is None else g.to(dtype) for g in grads]
-        store[key] = grads
+        dtype = torch_dtype(self.plan.provisional_dtype)
+        return [None if g is None else g.to(dtype) for g in grads]
+
+    def _hold(self, store: dict, key) -> None:
+        """Make the local slot accumulate into ``store[key]``, which stays in the slot until another target takes
+        its place (or :meth:`_settle`): one pass over the parameters per sample moves the previous target's
+        gradient back to its store and this one's in (``GradSync.swap_local``), instead of one pass to install it
+        and another to take it out after every backward; the same target twice in a row moves nothing. Only
+        without a provisional dtype (which rounds the gradient after every backward: :meth:`_accumulating`)."""
+        if self._held is not None and self._held[0] is store and self._held[1] == key:
+            return
+        out = self.ctx.grad_sync.swap_local(store.pop(key, None))
+        if self._held is not None:
+            self._held[0][self._held[1]] = out
+        self._held = (store, key)
+
+    def _settle(self) -> None:
+        """Move the held target's gradient out of the slot into its store: before anything reads the stores or
+        another backward uses the slot."""
+        if self._held is not None:
+            store, key = self._held
+            self._held = None
+            store[key] = self.ctx.grad_sync.take_local()
 
     def _backward_into(self, store: dict, key, loss: torch.Tensor, retain_graph: bool) -> None:
-        """Backpropagate ``loss`` into ``store[key]`` (:meth:`_accumulating`). The last backward of a graph is a
+        """Backpropagate ``loss`` into ``store[key]`` (:meth:`_hold`). The last backward of a graph is a
         megatron micro-batch; one whose graph is backpropagated again (the KL part, another row of a batched graph)
         keeps it, which megatron's backward cannot, and runs as a plain autograd call."""
         sync = self.ctx.grad_sync
-        with self._accumulating(store, key):
+        if self.plan.provisional_dtype is None:
+            self._hold(store, key)
+            slot = contextlib.nullcontext()
+        else:
+            slot = self._accumulating(store, key)
+        with slot:
             if retain_graph:
                 with self.ctx.phase("backward"):
                     sync.backward_local(loss, retain_graph=True)
@@ -212,7 +243,9 @@ class ReweightSchedule(Schedule):
         return [g if g is None or d is None else g.to(d) for g, d in zip(grads, dtypes)]
 
     def held_gradients(self) -> Iterator[torch.Tensor]:
-        """The provisional gradients and accumulators held now."""
+        """The provisional gradients and accumulators held now (the held target's in the slot included)."""
+        if self._held is not None:
+            yield from self.ctx.grad_sync.local_tensors()
         held = [*self._partial.values(), *self._kl.values(), *(acc[1:] for acc in self._affine.values()),
                 self._folded]
         for item in held:
@@ -223,7 +256,9 @@ class ReweightSchedule(Schedule):
                     yield from (t for t in tensor if isinstance(t, torch.Tensor))
 
     def _track_buffers(self) -> None:
-        live = len(self._partial) + sum(2 for _ in self._affine) + len(self._kl) + (self._folded is not None)
+        # the held target (in the slot, out of its store) is one buffer too
+        live = len(self._partial) + sum(2 for _ in self._affine) + len(self._kl) + (self._folded is not None) + \
+            (self._held is not None)
         self.stats.max_local_grad_buffers = max(self.stats.max_local_grad_buffers, live)
 
     def on_step(self, key: UnitKey, conditioning: Conditioning) -> Callable[[StepRecord], None]:
@@ -234,9 +269,11 @@ class ReweightSchedule(Schedule):
             if not record.grad or not bool(record.train.any()):
                 return
             log_prob, train = record.sde.log_prob, record.train
-            cond = conditioning if record.row is None else conditioning.select([record.row])
-            kl = self.step_kl(record.sde.mean, record.sde.std, record.latents, record.next_latents,
-                              record.sigma, record.sigma_next, cond)
+            kl = None
+            if self.ctx.objective.kl_beta > 0:
+                cond = conditioning if record.row is None else conditioning.select([record.row])
+                kl = self.step_kl(record.sde.mean, record.sde.std, record.latents, record.next_latents,
+                                  record.sigma, record.sigma_next, cond)
             if kl is not None:
                 group = self._kl_group(key[0])
                 self._backward_into(self._kl, group, self._kl_part(group, kl, train), True)
@@ -271,6 +308,7 @@ class ReweightSchedule(Schedule):
         with its forward: the KL part into the group's accumulator, then the policy-gradient part (a 1F1B
         micro-batch has one backward, and the two parts must not be summed), the reference forwards, no grad,
         pipelined before them."""
+        self._settle()  # the router finds the slot empty before each routed backward
         staged, sde, objective = pipelined(self.ctx.velocity_fn), self.ctx.sde, self.ctx.objective
         requests = [(row.latents, row.sigma, row.conditioning) for row in rows]
         kl_group = self._kl_group(group)
@@ -312,6 +350,7 @@ class ReweightSchedule(Schedule):
         """Affine mode: fold each sample's P_i into the group's R and S as soon as its reward is known."""
         if self.plan.accumulate != "affine":
             return
+        self._settle()
         with self.ctx.phase("sync"):
             self._fold_affine(key, rewards)
         self._track_buffers()
@@ -344,6 +383,7 @@ class ReweightSchedule(Schedule):
         """Global std, clamp impossible: fold the group's mean-corrected gradient now."""
         if not self.plan.global_fold:
             return
+        self._settle()
         with self.ctx.phase("sync"):
             centred = self._centred_sum(group)
         if centred is not None:
@@ -360,6 +400,7 @@ class ReweightSchedule(Schedule):
 
     def on_advantages(self, group: GroupUpdate) -> None:
         """Scale the group's provisional gradients by their advantages and reduce them (one collective)."""
+        self._settle()
         self.stats.losses.extend(self._kl_losses.pop(self._kl_group(group.index), []))
         self._record_loss(group)
         if self.plan.global_fold:
@@ -403,6 +444,7 @@ class ReweightSchedule(Schedule):
 
     def finish_update(self) -> UpdateStats:
         """Apply the global α to the folded sum, reduce what is left, publish the gradients."""
+        self._settle()
         if self._partial or self._affine:
             raise RoutingError(f"Reweight update finished with provisional gradients that never got an advantage: "
                                f"samples {sorted(self._partial)}, affine groups {sorted(self._affine)}")

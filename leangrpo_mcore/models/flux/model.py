@@ -165,6 +165,16 @@ class FluxTransformer(StageInputMixin, torch.nn.Module):
         g = None if guidance is None else guidance.to(x.dtype) * TIMESTEP_SCALE
         return self.time_text_embed(t, g, pooled_projections), self.context_embedder(text), x
 
+    def boundary_shape(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                       **inputs) -> tuple[int, int, int]:
+        """The shape of the boundary tensor a stage sends and receives for these forward arguments (only their
+        shapes are read): (B, 1 + S_txt + S_img, dim), this CP rank's tokens (:meth:`forward`). A pipelined call
+        allocates its receive buffers in it once (megatron's ``tensor_shape``)."""
+        text, image = encoder_hidden_states.shape[1], hidden_states.shape[1]
+        if cp_group() is not None:
+            text, image = SequenceShards.split(text).local, SequenceShards.split(image).local
+        return hidden_states.shape[0], 1 + text + image, self.config.hidden_size
+
     def _received(self, text_len: int, image_len: int, batch: int):
         """(temb, text tokens, image tokens) out of the previous stage's boundary tensor."""
         received = self._take_stage_input(self.stage)

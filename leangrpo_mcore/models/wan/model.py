@@ -123,6 +123,16 @@ class WanModel(StageInputMixin, nn.Module):
         x = x.reshape(x.shape[0], f, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
         return x.reshape(x.shape[0], x.shape[1], f * pt, h * ph, w * pw)
 
+    def boundary_shape(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                       encoder_hidden_states: torch.Tensor) -> tuple[int, int, int]:
+        """The shape of the boundary tensor a stage sends and receives for these forward arguments (only their
+        shapes are read): (B, S + 7·T + L, dim) of this CP rank's video tokens S, T = 1 or S per token
+        (:meth:`_pack`). A pipelined call allocates its receive buffers in it once (megatron's ``tensor_shape``)."""
+        batch, seq = hidden_states.shape[0], math.prod(self._patch_grid(hidden_states.shape))
+        local = SequenceShards.split(seq).local if cp_group() is not None else seq
+        rows = local if timestep.ndim == 2 else 1
+        return batch, local + 7 * rows + encoder_hidden_states.shape[1], self.config.hidden_size
+
     def _check_timestep(self, timestep: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         if timestep.ndim == 0:
             return timestep.expand(batch)
