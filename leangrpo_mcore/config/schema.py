@@ -131,9 +131,9 @@ class LoRAConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy (FLUX or Wan) and its conditioning models."""
+    """The policy (FLUX, SD3 or Wan) and its conditioning models."""
 
-    family: str = option("flux", choices=("flux", "wan"))
+    family: str = option("flux", choices=("flux", "sd3", "wan"))
     """Policy architecture family."""
     path: Optional[str] = None
     """A diffusers transformer directory or a leangrpo_mcore checkpoint; null builds from `preset` + `arch`."""
