@@ -24,7 +24,8 @@ from leangrpo_mcore.planner.layout import DEFAULT_TEXT_TOKENS, Plan, describe_la
 # Flags that a YAML config sets itself: with --config they come from it (use dotted overrides instead).
 WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_size", "prompts_per_step",
                   "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp", "pp")
-DEFAULT_CFG_SCALE = {"flux": 1.0, "wan": 5.0}  # FLUX.1-dev is guidance-distilled; Wan samples with CFG 5
+# FLUX.1-dev is guidance-distilled; Wan samples with CFG 5, SD3.5-M with FlowGRPO's 4.5
+DEFAULT_CFG_SCALE = {"flux": 1.0, "sd3": 4.5, "wan": 5.0}
 MAX_TABLE_RANKS = 64
 
 
