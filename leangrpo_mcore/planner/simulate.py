@@ -112,7 +112,9 @@ def _conditioning(config: Config, hyper: dict, family: str, prompts: int) -> Con
     pooled = None if dims.pooled_dim is None else torch.zeros(prompts, dims.pooled_dim)
     negative = torch.zeros_like(tokens) if s.cfg_scale > 1.0 else None
     guidance = torch.full((prompts,), s.guidance_scale) if hyper.get("guidance_embeds") else None
-    return Conditioning(tokens, pooled, negative, guidance)
+    # SD3's guidance also reads the negative prompt's pooled vector
+    negative_pooled = torch.zeros_like(pooled) if negative is not None and family == "sd3" else None
+    return Conditioning(tokens, pooled, negative, guidance, negative_pooled)
 
 
 def _fixed_rewards(final_latents: torch.Tensor, prompt_ids: torch.Tensor, components: int = 0) -> torch.Tensor:

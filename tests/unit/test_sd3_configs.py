@@ -31,3 +31,13 @@ def test_tiny_sd3_config_is_a_tiny_preset():
     config = load_config(str(ROOT / "tiny" / "sd3.yaml"))
     check_random_init(config)
     assert (config.model.family, config.sampler.cfg_scale) == ("sd3", 4.5)
+
+
+def test_the_simulator_scales_sd3_by_block_kind():
+    from leangrpo_mcore.planner.simulate import block_counts, with_blocks
+
+    config = load_config(str(ROOT / "sd3" / "flowgrpo_sd35m.yaml"))
+    assert block_counts(config) == {"dual_attention_layers": 13, "num_layers": 11}  # MMDiT-X, then plain
+    smaller = with_blocks(config, {"dual_attention_layers": 3, "num_layers": 4})
+    assert smaller.model.arch["num_layers"] == 7 and smaller.model.arch["dual_attention_layers"] == [0, 1, 2]
+    assert block_counts(smaller) == {"dual_attention_layers": 3, "num_layers": 4}
