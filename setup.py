@@ -65,6 +65,7 @@ setup(
     entry_points={
         "console_scripts": [
             "leangrpo-train=leangrpo_mcore.cli.train:launch",
+            "leangrpo-torchrun=leangrpo_mcore.cli.torchrun:main",
             "leangrpo-convert=leangrpo_mcore.cli.convert:main",
             "leangrpo-plan=leangrpo_mcore.cli.plan:main",
             "leangrpo-bench=leangrpo_mcore.cli.bench:launch",

@@ -16,6 +16,13 @@ class UserError(ValueError):
     """Bad input, reported as one line by the CLI (exit code 2)."""
 
 
+class CollectiveTimeoutError(UserError):
+    """A collective waited ``parallel.timeout_minutes`` for a rank that never joined it: one line like bad input,
+    with the exit code of a stall (124, the step watchdog's and ``timeout``'s)."""
+
+    exit_code = 124
+
+
 class MissingExtraError(UserError):
     """An optional dependency is not installed; the message names the package extra that provides it."""
 

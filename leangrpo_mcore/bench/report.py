@@ -10,6 +10,12 @@ policy forwards and backwards: per trajectory Native costs T·F + |S|·(F + B), 
 with F the time of one sample-forward and B of one sample-step backward, both measured in the same run.
 B is read from a schedule whose backward synchronises nothing (:func:`ideal_sources`), so that a
 schedule whose coalesced sync beats the baselines' per-backward sync can exceed the ideal ratio.
+
+Speedups are given over three Natives (:func:`baselines`): the **best Native** (the fastest of every Native
+variant and layout timed, the loop a user would pick), **Native** on the config's own layout, and the **FSDP2
+Native** (sharded over every data-parallel rank, a reduce-scatter after every backward: the paper's baseline).
+Throughput per label: samples per second (in all and per device), model TFLOP/s per device from the planner's
+FLOP count of the step, and MFU where the device's peak is known (:mod:`leangrpo_mcore.engine.throughput`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from leangrpo_mcore.bench.probe import ForwardTally
 
 PHASES = ("rollout_nograd_forward", "rollout_grad_forward", "recompute", "backward", "sync", "bubble", "reward",
           "optimizer", "other")
+NATIVE_VARIANTS = ("native", "native_coalesced")
+"""The benchmark variants that run Native (per-backward and coalesced gradient sync)."""
 PHASE_LABELS = {"rollout_nograd_forward": "rollout fwd (no grad)", "rollout_grad_forward": "rollout fwd (grad)",
                 "recompute": "recompute", "backward": "backward", "sync": "grad sync", "bubble": "pipeline bubble",
                 "reward": "reward", "optimizer": "clip + optimizer", "other": "other"}
@@ -125,8 +133,51 @@ def ideal_ratio(num_steps: int, steps_per_sample: int, forward_s: float, backwar
     return (t * forward_s + s * (forward_s + backward_s)) / (t * forward_s + s * backward_s)
 
 
-def finish_report(report: dict, samples: dict[str, list[StepSample]]) -> dict:
-    """Fill ``report['schedules']`` and ``report['ideal']`` from the measured steps of each schedule."""
+def is_native(label: str) -> bool:
+    """Whether benchmark label ``label`` (``VARIANT`` or ``VARIANT@LAYOUT``) runs Native."""
+    return label.partition("@")[0] in NATIVE_VARIANTS
+
+
+def baselines(schedules: dict[str, dict], meta: dict) -> dict:
+    """The Natives the speedups are given over: ``best`` (fastest median of every Native label), ``fsdp`` (FSDP2
+    over every data-parallel rank with per-backward sync: ``native`` when that is the config's layout or there is
+    one data-parallel rank, else ``native@sharded``) and every Native's median; a label is None when not timed."""
+    medians = {name: e["step_time_s"]["median"] for name, e in schedules.items() if is_native(name)}
+    best = min(medians, key=medians.get) if medians else None
+    fsdp = "native" if meta.get("layout", "sharded") in ("sharded", "single") else "native@sharded"
+    return {"best": best, "fsdp": fsdp if fsdp in schedules else None, "medians_s": medians}
+
+
+def throughput(entry: dict, counts: Optional[dict]) -> dict:
+    """``samples_per_s``, ``samples_per_s_per_device``, ``tflops_per_device`` and ``mfu`` of a label's median step
+    (the trainer's per-step scalars), from its FLOP ``counts`` (:meth:`Bench.throughput`); {} without them."""
+    if not counts:
+        return {}
+    seconds, devices = entry["step_time_s"]["median"], counts["devices"]
+    rate = counts["samples_per_step"] / seconds
+    out = {"samples_per_s": rate, "samples_per_s_per_device": rate / devices, "tflops_per_device": None,
+           "mfu": None, **counts}
+    if counts.get("flops_per_step") is not None:
+        out["tflops_per_device"] = counts["flops_per_step"] / devices / seconds / 1e12
+        if counts.get("peak_tflops"):
+            out["mfu"] = out["tflops_per_device"] / counts["peak_tflops"]
+    return out
+
+
+def _speedups(entry: dict, over: Optional[dict], ratio: float, key: str) -> None:
+    """``entry[key]`` (wall) and ``entry['cpu_' + key]``: ``over``'s median over the entry's (None without it)."""
+    entry[key] = entry[f"cpu_{key}"] = None
+    if over is None:
+        return
+    entry[key] = over["step_time_s"]["median"] / entry["step_time_s"]["median"]
+    cpu = entry["cpu_time_s"]["median"]
+    if cpu > 0:
+        entry[f"cpu_{key}"] = over["cpu_time_s"]["median"] / cpu
+
+
+def finish_report(report: dict, samples: dict[str, list[StepSample]], counts: Optional[dict] = None) -> dict:
+    """Fill ``report['schedules']``, ``report['ideal']`` and ``report['baselines']`` from the measured steps of
+    each label (``counts``: per label the FLOP count behind its throughput, :func:`throughput`)."""
     shape = report["shape"]
     names = list(samples)
     schedules = {name: schedule_summary(name, samples[name]) for name in names}
@@ -136,16 +187,15 @@ def finish_report(report: dict, samples: dict[str, list[StepSample]]) -> dict:
     ratio = ideal_ratio(shape["num_steps"], shape["steps_per_sample"], f, b)
     report["ideal"] = {"ratio": ratio, "forward_s": f, "backward_s": b, "forward_source": f_source,
                        "backward_source": b_source}
-    native = schedules.get("native")
-    for entry in schedules.values():
-        entry["speedup"] = entry["fraction_of_ideal"] = entry["cpu_speedup"] = entry["cpu_fraction_of_ideal"] = None
-        if native is not None:
-            entry["speedup"] = native["step_time_s"]["median"] / entry["step_time_s"]["median"]
-            entry["fraction_of_ideal"] = entry["speedup"] / ratio
-            cpu = entry["cpu_time_s"]["median"]
-            if cpu > 0:
-                entry["cpu_speedup"] = native["cpu_time_s"]["median"] / cpu
-                entry["cpu_fraction_of_ideal"] = entry["cpu_speedup"] / ratio
+    chosen = baselines(schedules, report["meta"])
+    report["baselines"] = chosen
+    for name, entry in schedules.items():
+        _speedups(entry, schedules.get("native"), ratio, "speedup")
+        _speedups(entry, schedules.get(chosen["best"]), ratio, "speedup_vs_best")
+        _speedups(entry, schedules.get(chosen["fsdp"]), ratio, "speedup_vs_fsdp")
+        for key in ("speedup", "speedup_vs_best", "cpu_speedup"):
+            entry[key.replace("speedup", "fraction_of_ideal")] = None if entry[key] is None else entry[key] / ratio
+        entry["throughput"] = throughput(entry, (counts or {}).get(name))
     report["schedules"] = schedules
     return report
 
@@ -183,23 +233,71 @@ def _run_header(report: dict) -> list[str]:
             f"steps after {meta['warmup']} warm-up, order {', '.join(meta['order'])}.{_load_note(meta)}", ""]
 
 
+def _tflops(value: Optional[float]) -> str:
+    return "–" if value is None else f"{value:.3g}"
+
+
 def _time_table(report: dict) -> list[str]:
-    lines = ["| schedule | median step (s) | IQR (s) | min–max (s) | speedup vs Native | of ideal | median CPU (s) "
-             "| CPU speedup | of ideal (CPU) | peak mem (MiB) | grad buffers |", "|---" * 11 + "|"]
+    layouts = report["meta"].get("layouts", {})
+    lines = ["| schedule | layout | median step (s) | IQR (s) | min–max (s) | vs best Native | vs Native | of ideal "
+             "| samples/s | TFLOP/s/device | MFU | median CPU (s) | CPU speedup | of ideal (CPU) | peak mem (MiB) "
+             "| grad buffers |", "|---" * 16 + "|"]
     for name, entry in report["schedules"].items():
-        t, c = entry["step_time_s"], entry["cpu_time_s"]
-        lines.append(f"| {name} | {t['median']:.3f} "
+        t, c, rate = entry["step_time_s"], entry["cpu_time_s"], entry.get("throughput") or {}
+        mfu = rate.get("mfu")
+        lines.append(f"| {name} | {layouts.get(name, '–')} | {t['median']:.3f} "
                      f"| {t['q1']:.3f}–{t['q3']:.3f} | {t['min']:.3f}–{t['max']:.3f} | "
+                     f"{_fmt(entry.get('speedup_vs_best'), 2, '×')} | "
                      f"{_fmt(entry['speedup'], 2, '×')} | {_fmt(entry['fraction_of_ideal'], 2)} | "
-                     f"{c['median']:.3f} | "
+                     f"{_fmt(rate.get('samples_per_s'), 3)} | {_tflops(rate.get('tflops_per_device'))} | "
+                     f"{'–' if mfu is None else f'{100 * mfu:.1f} %'} | {c['median']:.3f} | "
                      f"{_fmt(entry['cpu_speedup'], 2, '×')} | {_fmt(entry['cpu_fraction_of_ideal'], 2)} | "
                      f"{_mib(entry.get('peak_memory_bytes'))} | "
                      f"{entry.get('local_grad_buffers', 0)} |")
     ideal = report["ideal"]
     lines += ["", f"Ideal ratio {ideal['ratio']:.3f} (F = {ideal['forward_s'] * 1e3:.1f} ms per sample-forward from "
               f"{ideal['forward_source']}, B = {ideal['backward_s'] * 1e3:.1f} ms per sample-step backward from "
-              f"{ideal['backward_source']}; B/F = {ideal['backward_s'] / ideal['forward_s']:.2f}).", ""]
+              f"{ideal['backward_source']}; B/F = {ideal['backward_s'] / ideal['forward_s']:.2f}).",
+              _baseline_note(report), ""]
     return lines
+
+
+def _baseline_note(report: dict) -> str:
+    """The sentence naming the best Native and the FSDP2 Native."""
+    chosen, schedules = report.get("baselines") or {}, report["schedules"]
+    parts = []
+    for key, words in (("best", "Best Native"), ("fsdp", "FSDP2 Native (per-backward sync)")):
+        label = chosen.get(key)
+        if label is not None:
+            parts.append(f"{words}: {label} ({schedules[label]['step_time_s']['median']:.3f} s)")
+    return "; ".join(parts) + "." if parts else ""
+
+
+def _speedup_cell(speedup: Optional[float], ratio: float) -> str:
+    """``1.49× (1.06)``: a speedup and its fraction of the ideal ratio."""
+    return f"{_fmt(speedup, 2, '×')} ({_fmt(None if speedup is None else speedup / ratio, 2)})"
+
+
+def glance_table(report: dict, name: str = "") -> list[str]:
+    """The run's row of BENCHMARKS.md's "at a glance" table, under its header: the best Native (label, seconds),
+    each non-Native label's speedup over it (of the ideal ratio), FSDP2 Native's seconds, the speedups over it of
+    the other labels on its layout, and the peak memory of those labels."""
+    schedules, chosen, layouts = report["schedules"], report.get("baselines") or {}, report["meta"].get("layouts", {})
+    best, fsdp = chosen.get("best"), chosen.get("fsdp")
+    others = [n for n in schedules if not is_native(n)]
+    beside = [n for n in schedules if n != fsdp and layouts.get(n) == layouts.get(fsdp)]
+    head = ["run", "ws", "ideal", "best Native", "best Native (s)", *(f"{n} vs best" for n in others),
+            "FSDP2 Native (s)", *(f"{n} vs FSDP2" for n in beside),
+            "peak MiB " + " / ".join(n for n in schedules if layouts.get(n) == layouts.get(fsdp))]
+    cells = [name or report["meta"]["title"], str(report["meta"]["world_size"]), f"{report['ideal']['ratio']:.3f}",
+             best or "–", "–" if best is None else f"{schedules[best]['step_time_s']['median']:.3f}"]
+    ratio = report["ideal"]["ratio"]
+    cells += [_speedup_cell(schedules[n].get("speedup_vs_best"), ratio) for n in others]
+    cells.append("–" if fsdp is None else f"{schedules[fsdp]['step_time_s']['median']:.3f}")
+    cells += [_speedup_cell(schedules[n].get("speedup_vs_fsdp"), ratio) for n in beside]
+    cells.append(" / ".join(_mib(schedules[n].get("peak_memory_bytes")) for n in schedules
+                            if layouts.get(n) == layouts.get(fsdp)))
+    return ["| " + " | ".join(head) + " |", "|---" * len(head) + "|", "| " + " | ".join(cells) + " |"]
 
 
 def _phase_table(report: dict) -> list[str]:
@@ -221,10 +319,13 @@ def _parity_table(parity: dict) -> list[str]:
 
 
 def run_markdown(report: dict) -> str:
-    """The Markdown tables of one benchmark run: step times, phases, and gradient parity when checked."""
+    """The Markdown tables of one benchmark run: step times, phases, gradient parity when checked, and the run's
+    row of the "at a glance" table."""
     lines = _run_header(report) + _time_table(report) + _phase_table(report)
     if report.get("parity"):
         lines += _parity_table(report["parity"])
+    lines += ["", "At a glance (the row of BENCHMARKS.md's table; in parentheses the fraction of the ideal ratio):",
+              ""] + glance_table(report)
     return "\n".join(lines) + "\n"
 
 
@@ -232,15 +333,17 @@ def sweep_markdown(document: dict) -> str:
     """A summary table over the runs of a sweep (one row per value)."""
     sweep = document["sweep"]
     names = list(document["runs"][0]["schedules"])
-    others = [n for n in names if n != "native"]
-    head = [sweep["key"], "T", r"\|S\|", "tokens", "ideal"] + [f"{n} (s)" for n in names] + \
-        [f"{n} speedup" for n in others] + [f"{n} CPU speedup" for n in others] + [f"{n} MiB" for n in names]
+    others = [n for n in names if not is_native(n)]
+    head = [sweep["key"], "T", r"\|S\|", "tokens", "ideal", "best Native"] + [f"{n} (s)" for n in names] + \
+        [f"{n} vs best" for n in others] + [f"{n} speedup" for n in others] + [f"{n} CPU speedup" for n in others] + \
+        [f"{n} MiB" for n in names]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for value, run in zip(sweep["values"], document["runs"]):
         shape, sched = run["shape"], run["schedules"]
         cells = [str(value), str(shape["num_steps"]), str(shape["steps_per_sample"]), str(shape["tokens"]),
-                 f"{run['ideal']['ratio']:.3f}"]
+                 f"{run['ideal']['ratio']:.3f}", str((run.get("baselines") or {}).get("best") or "–")]
         cells += [f"{sched[n]['step_time_s']['median']:.3f}" for n in names]
+        cells += [_fmt(sched[n].get("speedup_vs_best"), 2, "×") for n in others]
         cells += [_fmt(sched[n]["speedup"], 2, "×") for n in others]
         cells += [_fmt(sched[n].get("cpu_speedup"), 2, "×") for n in others]
         cells += [_mib(sched[n].get("peak_memory_bytes")) for n in names]

@@ -9,12 +9,16 @@ never drifts. The first ``warmup`` rounds are discarded. Afterwards one untimed 
 peak memory (the CPU meter runs the profiler, which would distort timings), and optionally one more
 compares each schedule's gradient with Native's.
 
+Native is also timed on every data-parallel layout the project can run it on, the strongest baseline
+(:func:`~leangrpo_mcore.bench.arms.native_candidates`): FSDP2 sharded over all data-parallel ranks (``@sharded``)
+and a replica on each (``@replicated``), each with per-backward and with coalesced gradient sync; the report
+names the fastest next to FSDP2's. Each layout is built once (:class:`~leangrpo_mcore.bench.arms.Arm`).
+
 Every rank runs the same loop; the report holds rank 0's measurements.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import platform
@@ -25,46 +29,33 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from leangrpo_mcore.bench.probe import ForwardProbe, GradientCapture, TrainingSnapshot, synchronize
+from leangrpo_mcore.bench.arms import (LAYOUTS, VARIANTS, Arm, build_arm, layout_config, layout_name,
+                                       native_candidates, split_label)
+from leangrpo_mcore.bench.probe import synchronize
 from leangrpo_mcore.bench.report import StepSample, finish_report, split_phases
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.launch import DistContext, raise_if_any
-from leangrpo_mcore.engine.optim import trainable_parameters
-from leangrpo_mcore.engine.step import StepEngine, StepInputs, StepResult
+from leangrpo_mcore.engine.step import StepInputs, StepResult
+from leangrpo_mcore.engine.throughput import step_throughput
 from leangrpo_mcore.engine.trainer import RewardBridge
+from leangrpo_mcore.planner.flops import step_flops_for_config
 from leangrpo_mcore.schedules import SCHEDULES
 
-
-@dataclass(frozen=True)
-class ScheduleVariant:
-    """A benchmarked schedule: a registered schedule plus config settings."""
-
-    schedule: str
-    """Registered schedule name."""
-    settings: tuple[tuple[str, str, object], ...] = ()
-    """(section, field, value) set on a copy of the config."""
-
-
-VARIANTS: dict[str, ScheduleVariant] = {
-    "native": ScheduleVariant("native"),
-    "native_coalesced": ScheduleVariant("native", (("schedule", "coalesce_sync", True),)),
-    "retain": ScheduleVariant("retain"),
-    "reweight": ScheduleVariant("reweight"),
-    "reweight_affine": ScheduleVariant("reweight", (("schedule", "reweight_accumulate", "affine"),)),
-}
-"""Benchmark labels: the three schedules, Native with one coalesced reduce-scatter per update (the
-paper's Table-1 ablation) and Reweight with the affine accumulators."""
+__all__ = ["VARIANTS", "BenchOptions", "bench_document", "parse_schedules", "run_benchmark"]
 
 
 def parse_schedules(text: str) -> list[str]:
-    """``native,retain,reweight`` → the list of labels; ValueError for unknown or repeated labels."""
+    """``native,retain,native@replicated`` → the list of labels; ValueError for unknown or repeated labels."""
     labels = [item.strip() for item in text.split(",") if item.strip()]
     if not labels:
         raise ValueError("--schedules needs at least one schedule")
-    unknown = [label for label in labels if label not in VARIANTS]
+    unknown = [label for label in labels if split_label(label)[0] not in VARIANTS]
     if unknown:
-        raise ValueError(f"unknown schedule {unknown[0]!r}; valid: {', '.join(VARIANTS)}")
+        raise ValueError(f"unknown schedule {unknown[0]!r}; valid: {', '.join(VARIANTS)}, each optionally @layout")
+    layouts = [label for label in labels if split_label(label)[1] not in ("", *LAYOUTS)]
+    if layouts:
+        raise ValueError(f"unknown layout in {layouts[0]!r}; valid: {', '.join(LAYOUTS)}")
     if len(set(labels)) != len(labels):
         raise ValueError(f"--schedules lists a schedule twice: {text}")
     return labels
@@ -86,6 +77,8 @@ class BenchOptions:
     """One extra untimed step per schedule comparing its gradient with Native's."""
     title: str = ""
     """Heading of the run in the Markdown report."""
+    baselines: bool = True
+    """Also time every Native the project can run that ``schedules`` leave out (:func:`native_candidates`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -97,51 +90,46 @@ class BenchOptions:
             raise ValueError("--check-parity compares against Native: include native in --schedules")
 
 
-def variant_config(config: Config, label: str) -> Config:
-    """A copy of ``config`` with the settings of benchmark label ``label``."""
-    variant = VARIANTS[label]
-    out = copy.deepcopy(config)
-    out.schedule.name = variant.schedule
-    for section, name, value in variant.settings:
-        setattr(getattr(out, section), name, value)
-    return out
-
-
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
 class Bench:
-    """The built components and one engine per schedule label."""
+    """The built components: the data side once, an :class:`Arm` per data-parallel layout."""
 
     def __init__(self, config: Config, options: BenchOptions, dist_ctx: DistContext) -> None:
         self.config, self.options, self.dist = config, options, dist_ctx
         # The trainer's build order: cheap checks and the data side before the policy.
-        self.pctx = build.build_context(config, dist_ctx)
-        build.check_layout_early(config, self.pctx)
+        pctx = build.build_context(config, dist_ctx)
+        build.check_layout_early(config, pctx)
         source = build.resolve_model_source(config)  # model.path is read here, once
         self.data = build.build_data_parts(config, source.family, source.hyper, dist_ctx.device)
-        self.parts = build.build_policy_parts(config, self.pctx, build.precision_of(config, self.pctx), source=source)
         self.bridge = RewardBridge(self.data, config)
-        self.engines: dict[str, StepEngine] = {
-            label: build.build_engine(variant_config(config, label), VARIANTS[label].schedule, self.parts,
-                                      self.pctx, self.bridge)
-            for label in options.schedules
-        }
-        first = self.engines[options.schedules[0]]
-        self.probe = ForwardProbe(first.velocity_fn, dist_ctx.device)
-        for engine in self.engines.values():
-            engine.velocity_fn = self.probe
-            engine.measure_memory = False
-        self.params = trainable_parameters(self.parts.policy)
-        self.parts.optimizer.register_step_post_hook(self.probe.after_optimizer_step)
-        self.capture = GradientCapture(self.parts.optimizer, self.params)
-        self.snapshot = TrainingSnapshot.primed(self.params, self.parts.optimizer, self.parts.lr_scheduler)
+        own = layout_name(int(pctx.layout.dp_shard), int(pctx.layout.dp_replicate))
+        labels = list(options.schedules)
+        if options.baselines:
+            labels = native_candidates(labels, own, pctx.dp_size)
+        self.labels = labels
+        """Every timed label, in the interleaving order."""
+        self.arms: dict[str, Arm] = {}
+        self.arm_of: dict[str, Arm] = {}
+        for layout in dict.fromkeys(self._layout_of(label, own) for label in labels):
+            mine = [label for label in labels if self._layout_of(label, own) == layout]
+            arm = build_arm(layout_config(config, "" if layout == own else layout, pctx.dp_size), mine, dist_ctx,
+                            source, self.bridge, pctx if layout == own else None)
+            self.arms[layout] = arm
+            self.arm_of.update({label: arm for label in mine})
+        self.main = self.arms[own]
+        """The arm of the config's own layout (shape, parity)."""
         self.last_cpu_seconds = 0.0
         """Process CPU time of the last :meth:`step`."""
         self.grad_buffers: dict[str, int] = {}
         """Most provisional gradients held at once in a step, per label (Reweight)."""
+
+    @staticmethod
+    def _layout_of(label: str, own: str) -> str:
+        return split_label(label)[1] or own
 
     def inputs(self, step: int) -> StepInputs:
         """The prompts and seeds of round ``step`` (the same for every schedule)."""
@@ -151,10 +139,11 @@ class Bench:
 
     def step(self, label: str, inputs: StepInputs) -> tuple[float, StepResult]:
         """Restore the saved state, then run and time one step of ``label`` (wall seconds, result)."""
-        engine = self.engines[label]
-        self.snapshot.restore()
+        arm = self.arm_of[label]
+        engine = arm.engines[label]
+        arm.snapshot.restore()
         self.bridge.begin_step(capture=False)
-        self.probe.begin_step(SCHEDULES[engine.plan.schedule].recompute_free)
+        arm.probe.begin_step(SCHEDULES[engine.plan.schedule].recompute_free)
         _barrier()
         synchronize(self.dist.device)
         begin, cpu_begin = time.perf_counter(), time.process_time()
@@ -167,15 +156,15 @@ class Bench:
     def measure(self) -> dict[str, list[StepSample]]:
         """Interleaved rounds; the measured steps of each label (warm-up rounds dropped)."""
         opts = self.options
-        samples: dict[str, list[StepSample]] = {label: [] for label in opts.schedules}
+        samples: dict[str, list[StepSample]] = {label: [] for label in self.labels}
         for round_index in range(opts.warmup + opts.steps):
             inputs = self.inputs(round_index)
-            for label in opts.schedules:
+            for label in self.labels:
                 seconds, result = self.step(label, inputs)
                 self.grad_buffers[label] = max(u.max_local_grad_buffers for u in result.updates)
                 if round_index < opts.warmup:
                     continue
-                tally = self.probe.tally
+                tally = self.arm_of[label].probe.tally
                 samples[label].append(StepSample(seconds=seconds, cpu_seconds=self.last_cpu_seconds,
                                                  phases=split_phases(seconds, result.timings, tally),
                                                  forward_seconds=dict(tally.seconds), forward_rows=dict(tally.rows)))
@@ -184,11 +173,11 @@ class Bench:
     def memory(self, inputs: StepInputs) -> dict[str, Optional[int]]:
         """Peak memory above the step's start per label (one untimed step each), or None when not measured."""
         out: dict[str, Optional[int]] = {}
-        for label in self.options.schedules:
+        for label in self.labels:
             if not self.options.measure_memory:
                 out[label] = None
                 continue
-            engine = self.engines[label]
+            engine = self.arm_of[label].engines[label]
             engine.measure_memory = True
             try:
                 out[label] = self.step(label, inputs)[1].peak_memory_bytes
@@ -197,45 +186,62 @@ class Bench:
         return out
 
     def parity(self, inputs: StepInputs) -> dict[str, dict]:
-        """Each label's first-update gradient against Native's on the same rollout (cosine, relative L2)."""
+        """Each label's first-update gradient against Native's on the same rollout (cosine, relative L2): the labels
+        of the config's own layout (another layout's gradients are sharded otherwise)."""
         grads, rewards = {}, {}
-        for label in self.options.schedules:
-            with self.capture.capturing():
+        capture = self.main.capture
+        for label in (label for label in self.labels if self.arm_of[label] is self.main):
+            with capture.capturing():
                 _, result = self.step(label, inputs)
             update = result.updates[0]
             scale = 1.0
             if update.clipped:
                 # Undo the clip (it scales by max_norm / (norm + 1e-6)), so a wrong gradient scale shows up.
                 scale = (update.grad_norm + 1e-6) / self.config.optim.max_grad_norm
-            grads[label] = [None if g is None else g * scale for g in self.capture.grads]
+            grads[label] = [None if g is None else g * scale for g in capture.grads]
             rewards[label] = result.rewards
         return {label: _compare(grads["native"], grads[label], rewards["native"], rewards[label])
-                for label in self.options.schedules if label != "native"}
+                for label in grads if label != "native"}
 
     def shape(self) -> dict:
         """T, |S|, samples per rank, tokens and parameter counts of the benchmarked setup."""
-        plan = next(iter(self.engines.values())).plan
-        policy = self.parts.policy
-        trainable = sum(p.numel() for p in self.params)
+        plan = next(iter(self.main.engines.values())).plan
+        policy = self.main.parts.policy
+        trainable = sum(p.numel() for p in self.main.params)
         return {"family": self.config.model.family, "num_steps": plan.num_steps,
                 "steps_per_sample": plan.steps_per_sample, "group_size": plan.group_size,
                 "prompts_per_step": plan.prompts_per_step, "micro_batch": plan.micro_batch,
-                "samples_per_rank": plan.prompts_per_step * plan.group_size // self.pctx.dp_size,
+                "samples_per_rank": plan.prompts_per_step * plan.group_size // self.main.pctx.dp_size,
                 "tokens": _tokens(self.config.model.family, plan.latent_shape, policy),
                 "latent_shape": list(plan.latent_shape), "params": sum(p.numel() for p in policy.parameters()),
                 "trainable_params": trainable, "lora_rank": self.config.model.lora.rank,
-                "gradient_bytes": sum(p.numel() * p.element_size() for p in self.params),
+                "gradient_bytes": sum(p.numel() * p.element_size() for p in self.main.params),
                 "dtype": self.config.model.dtype}
 
     def meta(self) -> dict:
         """Where and how the run was measured."""
         device = self.dist.device
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
-        return {"title": self.options.title, "world_size": self.dist.world_size, "dp_size": self.pctx.dp_size,
-                "tp": self.pctx.layout.tp, "cp": self.pctx.layout.cp, "device": f"{device.type}: {name}",
+        pctx = self.main.pctx
+        return {"title": self.options.title, "world_size": self.dist.world_size, "dp_size": pctx.dp_size,
+                "tp": pctx.layout.tp, "cp": pctx.layout.cp, "device": f"{device.type}: {name}",
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "steps": self.options.steps, "warmup": self.options.warmup,
-                "order": list(self.options.schedules)}
+                "order": list(self.labels), "layout": self.main.layout,
+                "layouts": {label: arm.layout for label, arm in self.arm_of.items()}}
+
+    def throughput(self) -> dict[str, dict]:
+        """Per label: the FLOP count of its step (model FLOPs over all ranks, the sample-passes of one
+        data-parallel rank by kind) and the throughput scalars' inputs, as the trainer logs them."""
+        out = {}
+        for label, arm in self.arm_of.items():
+            config, schedule = arm.config, arm.engines[label].plan.schedule
+            meter = step_throughput(config, schedule, self.dist.world_size, self.dist.device)
+            flops = step_flops_for_config(config, schedule)
+            out[label] = {"samples_per_step": meter.samples_per_step, "devices": meter.devices,
+                          "flops_per_step": meter.flops_per_step, "peak_tflops": meter.peak_tflops,
+                          "passes_per_rank": flops.per_rank_counts(arm.pctx.dp_size)}
+        return out
 
     def run(self) -> dict:
         """Measure, probe memory (and parity), restore the start state; the report of this run."""
@@ -245,9 +251,10 @@ class Bench:
         probe_inputs = self.inputs(self.options.warmup + self.options.steps)
         memory = self.memory(probe_inputs)
         parity = self.parity(probe_inputs) if self.options.check_parity else None
-        self.snapshot.restore()
+        for arm in self.arms.values():
+            arm.snapshot.restore()
         meta = {**self.meta(), "load_average": {"start": load_start, "end": load_end}}
-        report = finish_report({"meta": meta, "shape": self.shape()}, samples)
+        report = finish_report({"meta": meta, "shape": self.shape()}, samples, self.throughput())
         for label, entry in report["schedules"].items():
             entry["peak_memory_bytes"] = memory[label]
             entry["local_grad_buffers"] = self.grad_buffers[label]

@@ -1,8 +1,10 @@
 """`leangrpo-bench`: Benchmark the Native, Retain and Reweight schedules side by side.
 
 ``leangrpo-bench --config FILE --schedules native,retain,reweight --steps N --warmup W [--json OUT]
-[--markdown OUT] [--plot OUT.png] [--sweep KEY=V1,V2,...] [dotted.key=value ...]`` runs the schedules on the
-same config within one launch, interleaved, from identical weights (see :mod:`leangrpo_mcore.bench.runner`).
+[--markdown OUT] [--plot OUT.png] [--sweep KEY=V1,V2,...] [--no-baselines] [dotted.key=value ...]`` runs the
+schedules on the same config within one launch, interleaved, from identical weights (see
+:mod:`leangrpo_mcore.bench.runner`), and with several data-parallel ranks every Native the project can run on
+them (sharded and replicated, per-backward and coalesced sync), to report each speedup over the best of them.
 Under ``torchrun --nproc-per-node N -m leangrpo_mcore.cli.bench ...`` every rank runs it; rank 0 reports.
 """
 
@@ -29,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="YAML experiment config (see yaml_configs/bench/)")
     parser.add_argument("--schedules", default="native,retain,reweight",
                         help="comma-separated, run interleaved in this order: native, native_coalesced, retain, "
-                             "reweight, reweight_affine (default: native,retain,reweight)")
+                             "reweight, reweight_affine, each on the config's layout or NAME@sharded / "
+                             "NAME@replicated (default: native,retain,reweight)")
     parser.add_argument("--steps", type=int, default=3, help="measured steps per schedule (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="discarded steps per schedule first (default 1)")
     parser.add_argument("--json", help="write the full report (every step, every phase) to this JSON file")
@@ -37,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", help="write stacked phase bars per schedule to this PNG file")
     parser.add_argument("--sweep", help="KEY=V1,V2,...: one benchmark run per value of a dotted config key")
     parser.add_argument("--no-memory", action="store_true", help="skip the untimed peak-memory step per schedule")
+    parser.add_argument("--no-baselines", action="store_true",
+                        help="time only --schedules: not also every Native layout and sync they leave out (with "
+                             "several data-parallel ranks each layout holds its own copy of the policy)")
     parser.add_argument("--check-parity", action="store_true",
                         help="one more untimed step per schedule: its gradient against Native's (cosine, rel. L2)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
@@ -88,7 +94,8 @@ def _main(argv: Sequence[str] | None) -> int:
         for value, config in zip(values, configs):
             title = " ".join([args.config, *args.overrides, *([f"{key}={value}"] if key else [])])
             options = BenchOptions(schedules=schedules, steps=args.steps, warmup=args.warmup,
-                                   measure_memory=not args.no_memory, check_parity=args.check_parity, title=title)
+                                   measure_memory=not args.no_memory, check_parity=args.check_parity, title=title,
+                                   baselines=not args.no_baselines)
             logger.info("benchmarking %s: %s", title, ", ".join(schedules))
             with user_errors():
                 runs.append(run_benchmark(config, options, dist_ctx))

@@ -39,7 +39,7 @@ def run_main(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[
         if _reports_errors():
             print(f"error: {message}", file=sys.stderr, flush=True)
         write_error_file(message)
-        return EXIT_USER_ERROR
+        return getattr(err, "exit_code", EXIT_USER_ERROR)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

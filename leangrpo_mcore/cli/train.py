@@ -5,12 +5,14 @@
 Bad input ends with one ``error: ...`` line (printed by the first rank that fails) and exit code 2 on every
 rank; torchrun then prints its failure summary, with that line as each failed rank's message, and exits with 1.
 A preemption signal (``train.save_on_signal``) ends the run after a checkpoint with 128 + the signal number
-(143 for SIGTERM); a stall caught by the step watchdog (``train.step_timeout_minutes``) with 124.
+(143 for SIGTERM); a stall caught by the step watchdog (``train.step_timeout_minutes``) with 124, and so does a
+collective that ran into the process-group timeout (``parallel.timeout_minutes``, one ``error:`` line naming it).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -18,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.config import load_config
-from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.errors import CollectiveTimeoutError, UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,10 +45,17 @@ def _main(argv: Sequence[str] | None) -> int:
     from leangrpo_mcore.engine.launch import quiet_nonzero_ranks
 
     quiet_nonzero_ranks()
+    from leangrpo_mcore.engine.launch import explain_timeout
     from leangrpo_mcore.engine.preemption import exit_code
     from leangrpo_mcore.engine.trainer import train
 
-    state = train(config)
+    try:
+        state = train(config)
+    except RuntimeError as err:
+        line = explain_timeout(err, config.parallel.timeout_minutes * 60.0)
+        if line is None or os.environ.get("LEANGRPO_TRACEBACK") == "1":
+            raise
+        raise CollectiveTimeoutError(line) from None
     return exit_code(state.stopped_by_signal) if state.stopped_by_signal else 0
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 
 from leangrpo_mcore.config.fields import range_error
+from leangrpo_mcore.config.window_rules import window_error
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.config.schema import Config
 
@@ -70,6 +71,12 @@ def _check_combinations(config: Config, sources: dict) -> None:
         raise ConfigError(f"{source}: 'sampler.noise_level' = 0 leaves sampler.sde_kind={s.sde_kind} no noise, and "
                           f"GRPO needs stochastic rollouts; set it > 0 (the deterministic ODE rollout is "
                           f"evaluation's: eval.noise_level: 0)")
+    low, high = (list(s.sde_window_range) + [0, 0])[:2]
+    error = window_error(size=s.sde_window_size, low=low, high=high, schedule=s.sde_window_schedule,
+                         stride=s.window_stride, shift_every=s.window_shift_every,
+                         ode_steps_after=s.ode_steps_after_window, ode_solver=s.ode_solver, num_steps=s.num_steps)
+    if error is not None:
+        raise ConfigError(error)
 
 
 def build_section(cls: type, data: Any, prefix: str) -> Any:

@@ -50,7 +50,23 @@ class SamplerConfig:
     sde_window_size: int = option(0, ge=0)
     """FlowGRPO-Fast: number of SDE steps in the noise window (0 = SDE on every step)."""
     sde_window_range: list[int] = option(factory=lambda: [0, 3])
-    """FlowGRPO-Fast: [lowest, highest) start step of the SDE window, drawn per prompt group."""
+    """[lowest, highest) start step of the SDE window: the range a random start is drawn from, a fixed window's
+    start (the lowest), the starts a progressive window sweeps."""
+    sde_window_schedule: str = option("random", choices=("fixed", "random", "progressive"))
+    """Where the SDE window sits (docs/algorithms.md §8): random (FlowGRPO-Fast: a start drawn per prompt group),
+    fixed (always at sde_window_range[0]) or progressive (MixGRPO: from sde_window_range[0], moving by
+    window_stride every window_shift_every optimizer steps, back to the first start after the last one below
+    sde_window_range[1]). Needs sde_window_size >= 1 unless random."""
+    window_stride: int = option(1, ge=1)
+    """Progressive window: steps the start moves at each shift (MixGRPO: 1)."""
+    window_shift_every: int = option(1, ge=1)
+    """Progressive window: optimizer steps between two shifts (MixGRPO: 25, MixGRPO-Flash: 20)."""
+    ode_solver: str = option("euler", choices=("euler", "dpmpp_2m"))
+    """ODE steps outside the SDE window: euler, or dpmpp_2m (second-order multistep DPM-Solver++ on the data
+    prediction x0 = x - sigma*v, MixGRPO-Flash). Needs sde_window_size >= 1 unless euler."""
+    ode_steps_after_window: Optional[int] = option(None, ge=0)
+    """MixGRPO-Flash: ODE steps for the remainder of the schedule after the SDE window, on points of the sigma
+    schedule (fewer forwards per rollout); 0 or null keeps every step. Needs a fixed or progressive window."""
 
 
 @dataclass
@@ -321,6 +337,9 @@ class LoggingConfig:
     otherwise (a log file) one plain line per step (step, reward mean/std, loss, step and phase times)."""
     measure_memory: Optional[bool] = None
     """Measure each step's peak tensor memory (null: on CUDA only; on CPU the meter slows the step down)."""
+    peak_tflops: Optional[float] = option(None, gt=0.0)
+    """Peak TFLOP/s of one device that the per-step ``mfu`` divides by (null: the dense bf16 peak of a known GPU,
+    e.g. 989 on an H100 SXM or H200, 312 on an A100; on a CPU or an unknown GPU no ``mfu`` is logged)."""
     wandb: Optional[WandbConfig] = None
     """Weights & Biases logging, e.g. {project: my-project, mode: offline}; null (the default) = off. The run id is
     kept in output_dir/wandb_run_id, so that a resumed run continues the same wandb run."""

@@ -24,7 +24,8 @@ from typing import ContextManager, Protocol
 
 import torch
 
-from leangrpo_mcore.diffusion.sde import SampleMean, SDEStep, draw_noise, local_mean, ode_step, sde_step, transition_std
+from leangrpo_mcore.diffusion.ode_solvers import OdeSolver, RowSolver, make_ode_solver
+from leangrpo_mcore.diffusion.sde import SampleMean, SDEStep, draw_noise, local_mean, sde_step, transition_std
 from leangrpo_mcore.diffusion.seeding import step_generators
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.diffusion.velocity import VelocityFn
@@ -163,8 +164,8 @@ def _check_masks(steps: int, batch: int, **masks: torch.Tensor) -> None:
 
 def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                   sde_rows: torch.Tensor, sde: SDEParams, generators: list[torch.Generator],
-                  split: LatentPieces | None) -> SDEStep | None:
-    """SDE step for the rows in ``sde_rows``, ODE for the others; None when no row uses the SDE."""
+                  split: LatentPieces | None, ode: RowSolver) -> SDEStep | None:
+    """SDE step for the rows in ``sde_rows``, ``ode``'s step for the others; None when no row uses the SDE."""
     if not bool(sde_rows.any()):
         return None
     if split is None:
@@ -175,7 +176,7 @@ def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, 
     if bool(sde_rows.all()):
         return out
     sde_rows = sde_rows.to(x.device)
-    ode = ode_step(velocity.detach(), x, sigma, sigma_next)
+    ode = ode.step(velocity.detach(), x, sigma, sigma_next)
     rows = sde_rows.view(-1, *([1] * (x.ndim - 1)))
     zero = torch.zeros_like(out.log_prob)
     return SDEStep(prev_sample=torch.where(rows, out.prev_sample, ode),
@@ -184,17 +185,18 @@ def _denoise_step(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, 
 
 def _advance(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
              sde_rows: torch.Tensor, sde: SDEParams, generators: list[torch.Generator],
-             split: LatentPieces | None) -> tuple[SDEStep | None, torch.Tensor, torch.Tensor]:
-    """(SDE step or None, detached x_{t+1}, detached (B,) log-prob) of one forward's rows."""
-    out = _denoise_step(velocity, x, sigma, sigma_next, sde_rows, sde, generators, split)
+             split: LatentPieces | None, ode: RowSolver) -> tuple[SDEStep | None, torch.Tensor, torch.Tensor]:
+    """(SDE step or None, detached x_{t+1}, detached (B,) log-prob) of one forward's rows (``ode`` notes it)."""
+    ode.observe(velocity, x, sigma)
+    out = _denoise_step(velocity, x, sigma, sigma_next, sde_rows, sde, generators, split, ode)
     if out is None:
-        return None, ode_step(velocity.detach(), x, sigma, sigma_next), torch.zeros(x.shape[0], device=x.device)
+        return None, ode.step(velocity.detach(), x, sigma, sigma_next), torch.zeros(x.shape[0], device=x.device)
     return out, out.prev_sample.detach(), out.log_prob.detach()
 
 
 def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                      conditioning: Conditioning, train: torch.Tensor, sde_rows: torch.Tensor, sde: SDEParams,
-                     generators: list[torch.Generator], split: LatentPieces | None,
+                     generators: list[torch.Generator], split: LatentPieces | None, ode: OdeSolver,
                      forward_context: Callable[[bool], ContextManager],
                      hand_over: Callable[[int, SDEStep | None, torch.Tensor], None],
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +209,8 @@ def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tens
         with torch.set_grad_enabled(grad), forward_context(grad):
             velocity = velocity_fn(x[rows], sigma[rows], conditioning.select(rows))
             out, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
-                                                       sde_rows[rows], sde, [generators[r] for r in rows], split)
+                                                       sde_rows[rows], sde, [generators[r] for r in rows], split,
+                                                       ode.on(rows))
         if grad:
             hand_over(rows[0], out, prev[rows])
         del velocity, out
@@ -224,7 +227,7 @@ class RolloutLoop:
                  prompt_ids: torch.Tensor, generation_ids: torch.Tensor,
                  grad_steps: torch.Tensor | set[int] | None = None, on_step: StepCallback | None = None,
                  forward_context: Callable[[bool], ContextManager] | None = None, split: LatentPieces | None = None,
-                 per_sample_grad: bool = False) -> None:
+                 per_sample_grad: bool = False, ode_solver: str = "euler") -> None:
         batch, steps = init_latents.shape[0], noise_seeds.shape[1]
         self.grad_steps = _grad_mask(grad_steps, selected)
         self.forward_context = forward_context or (lambda grad: contextlib.nullcontext())
@@ -240,6 +243,7 @@ class RolloutLoop:
         self.noise_seeds, self.prompt_ids, self.generation_ids = noise_seeds, prompt_ids, generation_ids
         self.on_step, self.split, self.per_sample_grad = on_step, split, per_sample_grad
         self.steps, self.t = steps, 0
+        self.ode = make_ode_solver(ode_solver, batch)
         self._xs: list[torch.Tensor] = []
         self._next_xs: list[torch.Tensor] = []
         self._log_probs: list[torch.Tensor] = []
@@ -272,14 +276,14 @@ class RolloutLoop:
                                             row=row))
 
             prev, log_prob = _per_sample_step(velocity_fn, x, sigma, sigma_next, self.conditioning, train,
-                                              self.sde_steps[:, t], self.sde, generators, self.split,
+                                              self.sde_steps[:, t], self.sde, generators, self.split, self.ode,
                                               self.forward_context, hand_over)
             self._record(None, prev, log_prob, train, False)  # each row's graph was handed over before
             return
         with torch.set_grad_enabled(grad), self.forward_context(grad):
             velocity = velocity_fn(x, sigma, self.conditioning)
             out, prev, log_prob = _advance(velocity, x, sigma, sigma_next, self.sde_steps[:, t], self.sde, generators,
-                                           self.split)
+                                           self.split, self.ode.on())
         del velocity
         self._record(out, prev, log_prob, train, grad)
 
@@ -292,7 +296,7 @@ class RolloutLoop:
 
         def record(row: int, velocity: torch.Tensor) -> StepRecord:
             out = _denoise_step(velocity, x[[row]], sigma[[row]], sigma_next[[row]], self.sde_steps[[row], t],
-                                self.sde, step_generators(self.noise_seeds[[row]], t), self.split)
+                                self.sde, step_generators(self.noise_seeds[[row]], t), self.split, self.ode.on([row]))
             return StepRecord(t=t, latents=x[[row]], next_latents=out.prev_sample.detach(), sigma=sigma[[row]],
                               sigma_next=sigma_next[[row]], sde=out, train=train[[row]], grad=True, row=row)
 
@@ -326,7 +330,7 @@ class RolloutLoop:
                     [([r], row_velocities[r]) for r in trained]:
                 _, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
                                                          self.sde_steps[rows, t], self.sde,
-                                                         [generators[r] for r in rows], self.split)
+                                                         [generators[r] for r in rows], self.split, self.ode.on(rows))
         self._record(None, prev, log_prob, train, False)
 
     def step_with(self, velocity: torch.Tensor) -> None:
@@ -339,7 +343,7 @@ class RolloutLoop:
         with torch.set_grad_enabled(grad):
             out, prev, log_prob = _advance(velocity, self.x, self.sigmas[:, t], self.sigmas[:, t + 1],
                                            self.sde_steps[:, t], self.sde, step_generators(self.noise_seeds, t),
-                                           self.split)
+                                           self.split, self.ode.on())
         del velocity
         self._record(out, prev, log_prob, self.selected[:, t] & self.grad_steps[:, t], grad)
 
@@ -349,6 +353,7 @@ class RolloutLoop:
         self._xs.append(x)
         self._next_xs.append(prev)
         self._log_probs.append(log_prob.to(torch.float32))
+        self.ode.commit()
         if self.on_step is not None:
             self.on_step(StepRecord(t=t, latents=x, next_latents=prev, sigma=self.sigmas[:, t],
                                     sigma_next=self.sigmas[:, t + 1], sde=out, train=train, grad=grad))
@@ -383,6 +388,7 @@ def rollout(
     forward_context: Callable[[bool], ContextManager] | None = None,
     split: LatentPieces | None = None,
     per_sample_grad: bool = False,
+    ode_solver: str = "euler",
 ) -> Trajectory:
     """Sample B trajectories from ``init_latents`` (B, *shape) along ``sigmas`` ((T+1,) or (B, T+1)).
 
@@ -394,12 +400,13 @@ def rollout(
     callback then receives the step's graph. ``forward_context(grad)`` is entered around each forward
     (e.g. FP8 scaling state; see :mod:`leangrpo_mcore.parallel.precision`). With ``split`` the latents of the
     trajectory are this rank's pieces (module doc). ``per_sample_grad`` runs the trained rows of a step with
-    gradients one at a time (:attr:`StepRecord.row`). Returns the float32 :class:`Trajectory` (detached).
+    gradients one at a time (:attr:`StepRecord.row`). The ODE steps (``sde_steps`` False) take ``ode_solver``'s
+    update (:mod:`leangrpo_mcore.diffusion.ode_solvers`). Returns the float32 :class:`Trajectory` (detached).
     """
     loop = RolloutLoop(init_latents, sigmas, conditioning, sde=sde, selected=selected, sde_steps=sde_steps,
                        noise_seeds=noise_seeds, prompt_ids=prompt_ids, generation_ids=generation_ids,
                        grad_steps=grad_steps, on_step=on_step, forward_context=forward_context, split=split,
-                       per_sample_grad=per_sample_grad)
+                       per_sample_grad=per_sample_grad, ode_solver=ode_solver)
     while not loop.done:
         loop.step(velocity_fn)
     return loop.trajectory()
@@ -480,7 +487,7 @@ def draw_rollout_inputs(*, base_seed: int, step: int, prompt_slots: list[int], g
     """Seed everything of B samples named by (prompt slot, generation) — independent of rank and schedule.
 
     ``selection`` holds the keyword arguments of :func:`leangrpo_mcore.diffusion.selection.select_steps`
-    besides the sample names (method, fraction, window_size, window_range).
+    besides the sample names (method, fraction, window_size, window_range, window_start).
     """
     from leangrpo_mcore.diffusion.seeding import initial_noise, sde_noise_seeds
     from leangrpo_mcore.diffusion.selection import select_steps
@@ -490,6 +497,7 @@ def draw_rollout_inputs(*, base_seed: int, step: int, prompt_slots: list[int], g
     picked = select_steps(selection["method"], num_steps=num_steps, fraction=selection["fraction"],
                           base_seed=base_seed, step=step, prompt_slots=prompt_slots, generation_ids=generation_ids,
                           window_size=selection.get("window_size", 0),
-                          window_range=selection.get("window_range", (0, 1)))
+                          window_range=selection.get("window_range", (0, 1)),
+                          window_start=selection.get("window_start"))
     seeds = sde_noise_seeds(base_seed, step, prompt_slots, generation_ids, num_steps)
     return RolloutInputs(init_latents=init, selected=picked.selected, sde_steps=picked.sde, noise_seeds=seeds)

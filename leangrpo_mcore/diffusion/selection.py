@@ -5,7 +5,8 @@ Three methods, matching the baselines:
 - ``flow_grpo``: the first ``int(T · fraction)`` steps of every sample, SDE on every step (FLUX T=6 → 5).
 - ``sde_window`` (FlowGRPO-Fast): a window of ``window_size`` consecutive steps whose start is drawn
   uniformly from ``[window_range[0], window_range[1])`` once per prompt group (the whole group shares it);
-  the SDE runs only inside the window, the ODE elsewhere, and exactly the window is trained.
+  the SDE runs only inside the window, the ODE elsewhere, and exactly the window is trained. A given
+  ``window_start`` (a fixed or progressive window, :mod:`leangrpo_mcore.diffusion.window`) replaces the draw.
 - ``dance_grpo``: per sample, a random permutation of the T − 1 candidate steps (the last step, σ' = 0,
   is never trained) of which the first ``int((T − 1) · fraction)`` are kept; SDE on every step.
 
@@ -81,9 +82,14 @@ def select_steps(
     generation_ids: Sequence[int],
     window_size: int = 0,
     window_range: Sequence[int] = (0, 1),
+    window_start: int | None = None,
 ) -> Selection:
-    """Draw the :class:`Selection` of B samples named by (``prompt_slots``, ``generation_ids``)."""
+    """Draw the :class:`Selection` of B samples named by (``prompt_slots``, ``generation_ids``); ``window_start``
+    (``sde_window`` only) puts every sample's window there instead of drawing it per prompt group."""
     check_selection(method, num_steps, fraction, window_size, window_range)
+    if window_start is not None and (method != "sde_window" or not 0 <= window_start <= num_steps - window_size):
+        raise ValueError(f"a window start of {window_start} needs sde_window selection and a window inside the "
+                         f"{num_steps} steps")
     if len(prompt_slots) != len(generation_ids):
         raise ValueError(f"{len(prompt_slots)} prompt slots for {len(generation_ids)} generation ids")
     batch = len(prompt_slots)
@@ -100,8 +106,11 @@ def select_steps(
         sde.zero_()
         low, high = int(window_range[0]), int(window_range[1])
         for i, slot in enumerate(prompt_slots):
-            gen = generator(derive_seed(base_seed, "window", step, slot))
-            start = low + int(torch.randint(high - low, (1,), generator=gen))
+            if window_start is None:
+                gen = generator(derive_seed(base_seed, "window", step, slot))
+                start = low + int(torch.randint(high - low, (1,), generator=gen))
+            else:
+                start = window_start
             selected[i, start : start + window_size] = True
             sde[i, start : start + window_size] = True
     return Selection(selected=selected, sde=sde)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from leangrpo_mcore.engine import ckpt_manifest as manifest
 from leangrpo_mcore.engine import extra_state
-from leangrpo_mcore.engine.launch import broadcast_object, collective_device, get_logger
+from leangrpo_mcore.engine.launch import broadcast_object, collective_device, first_error, get_logger
 from leangrpo_mcore.engine.run_dir import STEP_ANY, STEP_DIR, RunDir, is_complete
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models.common.checkpoint import DCP_DIR, CheckpointError, write_policy_checkpoint
@@ -56,6 +56,7 @@ from leangrpo_mcore.models.common.dcp_blocks import (Block, BlockLoadPlanner, Bl
 from leangrpo_mcore.models.common.dcp_source import read_dcp_metadata
 from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout, tp_rank, tp_world_size  # noqa: F401
 from leangrpo_mcore.models.registry import family_for_config
+from leangrpo_mcore.parallel.mesh import default_group_timeout
 
 MARKER = manifest.MARKER
 STATE_FILE = "trainer_state.json"
@@ -316,7 +317,7 @@ def _writer_group() -> Optional[dist.ProcessGroup]:
     training collectives of the main thread (created once, collectively)."""
     global _WRITER_GROUP
     if _world() > 1 and _WRITER_GROUP is None:
-        _WRITER_GROUP = dist.new_group(backend="gloo")
+        _WRITER_GROUP = dist.new_group(backend="gloo", timeout=default_group_timeout())
     return _WRITER_GROUP
 
 
@@ -423,66 +424,95 @@ def set_aside(path: str, final: Optional[str] = None) -> str:
     return target
 
 
-def restore_interrupted(run_dir: RunDir, warn: Any = None) -> list[str]:
-    """Rank 0: rename back to ``step_<N>`` each complete checkpoint that a crash left under a ``.tmp-`` name
-    (between the renames that publish it, or between its marker and its rename) while no ``step_<N>`` exists;
-    returns the restored paths.
-
-    Of two complete copies of a step (the new write and the ``.tmp-replaced-`` copy it was replacing), the new
-    one is restored when it verifies, else the other; a copy that fails verification is set aside as
-    ``step_<N>.damaged-<id>``. Each is reported in one line through ``warn``.
-    """
+def _interrupted_copies(run_dir: RunDir) -> dict[int, list[str]]:
+    """Rank 0: ``{step: complete .tmp- copies, the new write first}`` for each step without a ``step_<N>``."""
     copies: dict[int, list[str]] = {}
     for name in run_dir.existing_checkpoints():
         match = STEP_ANY.match(name)
         if match.group(2) and is_complete(os.path.join(run_dir.checkpoints_dir, name)):
             copies.setdefault(int(match.group(1)), []).append(os.path.join(run_dir.checkpoints_dir, name))
+    return {step: sorted(paths, key=lambda p: ".tmp-replaced-" in p) for step, paths in copies.items()
+            if not os.path.exists(run_dir.checkpoint_path(step))}
+
+
+def _restore_or_set_aside(path: str, final: str, problem: Optional[str], warn: Any) -> None:
+    """Rank 0: rename a verified copy to ``final``, or set a damaged one aside; one line through ``warn``."""
     say = warn or (lambda message: None)
+    try:
+        if problem is None:
+            os.rename(path, final)
+            say(f"checkpoint {final} was complete but not in place (a crash while publishing it); "
+                f"restored from {os.path.basename(path)}")
+            return
+        moved = set_aside(path, final)
+    except OSError as err:
+        raise UserError(f"cannot restore checkpoint {path}: {err.strerror}") from None
+    say(f"checkpoint copy {path} is damaged ({problem}); set aside as {moved}")
+
+
+def restore_interrupted(run_dir: RunDir, warn: Any = None) -> list[str]:
+    """Collective: rename back to ``step_<N>`` each complete checkpoint that a crash left under a ``.tmp-`` name
+    (between the renames that publish it, or between its marker and its rename) while no ``step_<N>`` exists;
+    returns the restored paths.
+
+    Of two complete copies of a step (the new write and the ``.tmp-replaced-`` copy it was replacing), the new
+    one is restored when it verifies, else the other; a copy that fails verification is set aside as
+    ``step_<N>.damaged-<id>``. Each is reported in one line through ``warn`` (rank 0); every rank verifies its
+    share (:func:`~leangrpo_mcore.engine.ckpt_manifest.verify_on_ranks`) and rank 0 renames.
+    """
     restored = []
-    for step, paths in sorted(copies.items()):
+    for step, paths in sorted(first_error(_interrupted_copies, run_dir).items()):
         final = run_dir.checkpoint_path(step)
-        if os.path.exists(final):
-            continue
-        for path in sorted(paths, key=lambda p: ".tmp-replaced-" in p):
-            problem = manifest.verify(path)
-            try:
-                if problem is None:
-                    os.rename(path, final)
-                    say(f"checkpoint {final} was complete but not in place (a crash while publishing it); "
-                        f"restored from {os.path.basename(path)}")
-                    restored.append(final)
-                    break
-                moved = set_aside(path, final)
-            except OSError as err:
-                raise UserError(f"cannot restore checkpoint {path}: {err.strerror}") from None
-            say(f"checkpoint copy {path} is damaged ({problem}); set aside as {moved}")
+        for path in paths:
+            problem = manifest.verify_on_ranks(path)
+            first_error(_restore_or_set_aside, path, final, problem, warn)
+            if problem is None:
+                restored.append(final)
+                break
     return restored
 
 
+def _newest_first(run_dir: RunDir) -> list[str]:
+    return [path for _, path in reversed(list_complete(run_dir))]
+
+
+def _set_aside_damaged(path: str, problem: str, warn: Any) -> None:
+    try:
+        moved = set_aside(path)
+    except OSError as err:
+        raise UserError(f"checkpoint {path} is damaged ({problem}) and cannot be set aside: {err.strerror}") from None
+    if warn is not None:
+        warn(f"checkpoint {path} is damaged ({problem}); set aside as {moved}, trying the previous one")
+
+
+def _check_resume_path(spec: str) -> None:
+    if not os.path.isdir(spec):
+        raise UserError(f"checkpoint.resume: no such checkpoint directory: {spec}")
+    if not os.path.isfile(os.path.join(spec, MARKER)):
+        raise UserError(f"checkpoint.resume: {spec} is not a complete checkpoint (no {MARKER} marker)")
+
+
 def resolve_resume(spec: Optional[str], run_dir: RunDir, warn: Any = None) -> Optional[str]:
-    """The checkpoint to resume from: None (fresh), ``auto`` (the newest one that verifies, or None), or a path.
+    """Collective: the checkpoint to resume from: None (fresh), ``auto`` (the newest one that verifies, or None),
+    or a path; the same answer (or UserError) on every rank.
 
     Under ``auto`` complete checkpoints that a crash left under a ``.tmp-`` name are restored first
     (:func:`restore_interrupted`); a newest checkpoint that fails verification is set aside with a one-line
-    ``warn`` and the previous one is tried; an explicit path that fails verification is a UserError.
+    ``warn`` (rank 0) and the previous one is tried; an explicit path that fails verification is a UserError
+    naming the damaged file. Each rank verifies its share of the bytes; rank 0 alone lists and renames.
     """
     if spec is None:
         return None
     if spec == "auto":
         restore_interrupted(run_dir, warn)
-        for _, path in reversed(list_complete(run_dir)):
-            problem = manifest.verify(path)
+        for path in first_error(_newest_first, run_dir):
+            problem = manifest.verify_on_ranks(path)
             if problem is None:
                 return path
-            moved = set_aside(path)
-            if warn is not None:
-                warn(f"checkpoint {path} is damaged ({problem}); set aside as {moved}, trying the previous one")
+            first_error(_set_aside_damaged, path, problem, warn)
         return None
-    if not os.path.isdir(spec):
-        raise UserError(f"checkpoint.resume: no such checkpoint directory: {spec}")
-    if not os.path.isfile(os.path.join(spec, MARKER)):
-        raise UserError(f"checkpoint.resume: {spec} is not a complete checkpoint (no {MARKER} marker)")
-    problem = manifest.verify(spec)
+    first_error(_check_resume_path, spec)
+    problem = manifest.verify_on_ranks(spec)
     if problem is not None:
         raise UserError(f"checkpoint.resume: {spec} fails verification: {problem}")
     return spec

@@ -190,3 +190,15 @@ def first_error(fn: Any, *args: Any, **kwargs: Any) -> Any:
     if error:
         raise UserError(error)
     return value
+
+
+def explain_timeout(err: BaseException, timeout_s: float) -> Optional[str]:
+    """The one line for a collective that ran into the process-group timeout, naming the key; None for any other
+    error (gloo says "Timed out waiting ...ms", NCCL "... timed out"; NCCL's watchdog usually ends the process
+    itself first)."""
+    text = str(err)
+    distributed = isinstance(err, dist.DistError) or "gloo" in text
+    if not distributed or "timed out" not in text.lower():
+        return None
+    return (f"a collective waited {timeout_s:g} s (parallel.timeout_minutes={timeout_s / 60.0:g}) for a rank that "
+            f"never joined it: that rank stalled or died ({text.splitlines()[0]})")

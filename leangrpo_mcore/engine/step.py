@@ -50,9 +50,11 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.config.schema import Config
-from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, draw_rollout_inputs, rollout_together
+from leangrpo_mcore.diffusion.sampler import (RolloutInputs, RolloutLoop, SDEParams, draw_rollout_inputs,
+                                              rollout_together)
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
+from leangrpo_mcore.diffusion.window import SDEWindow, compress_after_window, optimizer_steps_before
 from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
 from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
 from leangrpo_mcore.parallel.gathering import keep_parameters_gathered, selection_varies_across_ranks
@@ -129,6 +131,11 @@ class StepPlan:
     reward_weights: Optional[tuple[float, ...]] = None
     """reward.aggregate=advantages: the weights w_k of the K component rewards ``reward_fn`` returns as (B, K),
     each normalised into its own group advantage, A = clamp(Σ_k w_k A_k). None: (B,) rewards, one advantage."""
+    window: Optional[SDEWindow] = None
+    """Where the SDE window sits and the compression after it, with ``selection``'s size and range (None:
+    FlowGRPO-Fast's random window per prompt group)."""
+    ode_solver: str = "euler"
+    """Solver of the ODE steps outside the SDE window: euler or dpmpp_2m."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, latent_shape: tuple[int, ...], sigmas: torch.Tensor,
@@ -152,7 +159,32 @@ class StepPlan:
             reshard_after_forward=cfg.parallel.reshard_after_forward, async_scoring=cfg.reward.async_scoring,
             reward_weights=(tuple(float(w) for w in (cfg.reward.weights or {}).values())
                             if cfg.reward.aggregate == "advantages" else None),
+            window=SDEWindow(size=window, low=int(s.sde_window_range[0]), high=int(s.sde_window_range[-1]),
+                             schedule=s.sde_window_schedule, stride=s.window_stride,
+                             shift_every=s.window_shift_every, ode_steps_after=s.ode_steps_after_window or 0),
+            ode_solver=s.ode_solver,
         )
+
+    @property
+    def sde_window(self) -> SDEWindow:
+        """The SDE window settings (:attr:`window`, or a random window of ``selection``'s size and range)."""
+        if self.window is not None:
+            return self.window
+        bounds = self.selection.get("window_range", (0, 1))
+        return SDEWindow(size=self.selection.get("window_size", 0), low=int(bounds[0]), high=int(bounds[-1]))
+
+    def window_start(self, step: int) -> Optional[int]:
+        """The start of training step ``step``'s shared SDE window (None: drawn per prompt group, or no window):
+        a function of the optimizer steps before it, so a resumed run continues where it stopped."""
+        return self.sde_window.start(optimizer_steps_before(step, self.updates_per_rollout))
+
+    def rollout_sigmas(self, window_start: Optional[int]) -> torch.Tensor:
+        """The (T'+1,) float32 sigmas of a rollout whose shared window starts at ``window_start``: the schedule,
+        with the steps after the window compressed when ``sampler.ode_steps_after_window`` is set."""
+        w = self.sde_window
+        if window_start is None or not w.ode_steps_after:
+            return self.sigmas
+        return compress_after_window(self.sigmas, window_start + w.size, w.ode_steps_after)
 
     @property
     def components(self) -> int:
@@ -202,6 +234,8 @@ class StepPlan:
 
     def selection_varies(self, ctx: ParallelContext) -> bool:
         """Whether the data-parallel ranks train different steps in one round."""
+        if self.sde_window.shared:
+            return False
         return selection_varies_across_ranks(self.selection["method"], layout=self.layout,
                                              group_size=self.group_size, dp_size=ctx.dp_size)
 
@@ -225,6 +259,11 @@ class StepPlan:
             raise ValueError("sampler.sde_window_size > 0 goes with grpo.timestep_selection=sde_window (and only)")
         check_selection(sel["method"], self.num_steps, sel["fraction"], sel.get("window_size", 0),
                         sel.get("window_range", (0, 1)))
+        window = self.sde_window
+        window.check(self.num_steps, self.ode_solver)
+        bounds = sel.get("window_range", (0, 1))
+        if (window.size, window.low, window.high) != (sel.get("window_size", 0), int(bounds[0]), int(bounds[-1])):
+            raise ValueError("the plan's window and its selection disagree on the window's size or range")
         check_layout(self.layout, ctx.dp_size, self.group_size, self.prompts_per_step)
         if ctx.layout.cp > 1 and self.async_scoring:
             raise ValueError("reward.async_scoring with parallel.cp > 1 is not supported yet: set one of them off")
@@ -305,6 +344,8 @@ class StepResult:
     """This rank's trajectories per prompt slot (per micro-batch), when kept."""
     component_rewards: Optional[torch.Tensor] = None
     """(P, M, K) float32 component rewards of the step with reward.aggregate=advantages (None otherwise)."""
+    window_start: Optional[int] = None
+    """Start of the step's shared SDE window (fixed, progressive); None for a random window or none."""
 
     @property
     def loss(self) -> float:
@@ -429,7 +470,8 @@ class StepEngine:
             updates.append(self._finish(native, timer))
         kept = {r.share.prompt_slot: r.update.trajectories for r in records} if self.keep_trajectories else {}
         return StepResult(step=inputs.step, rewards=plan.total(table), advantages=advantages, updates=updates,
-                          trajectories=kept, component_rewards=table if plan.components else None)
+                          trajectories=kept, component_rewards=table if plan.components else None,
+                          window_start=plan.window_start(inputs.step))
 
     def _scored_groups(self, inputs: StepInputs, first, timer: PhaseTimer) -> Iterator[tuple[GroupRecord, object]]:
         """This rank's groups in update order with their rewards gathered, each with its schedule (None: a later
@@ -515,20 +557,36 @@ class StepEngine:
         """(the denoising loop of micro-batch ``mb`` of generations ``ids``, its prompt ids), its inputs drawn."""
         plan, device = self.plan, self.ctx.device
         slots = [share.prompt_slot] * len(ids)
-        draws = draw_rollout_inputs(base_seed=plan.seed, step=inputs.step, prompt_slots=slots, generation_ids=ids,
-                                    latent_shape=plan.latent_shape, num_steps=plan.num_steps,
-                                    selection=plan.selection, same_latent=plan.same_latent, device=device)
+        sigmas, draws = self._draw(inputs.step, slots, ids)
         cond = inputs.conditioning.select(slots).to(device)
         prompt_ids = inputs.prompt_ids[torch.tensor(slots, dtype=torch.long)]
-        loop = RolloutLoop(draws.init_latents, plan.sigmas, cond, sde=plan.sde, selected=draws.selected,
+        loop = RolloutLoop(draws.init_latents, sigmas, cond, sde=plan.sde, selected=draws.selected,
                            sde_steps=draws.sde_steps, noise_seeds=draws.noise_seeds, prompt_ids=prompt_ids,
                            generation_ids=torch.tensor(ids, dtype=torch.long),
                            grad_steps=None if schedule is None else schedule.grad_steps(draws.selected),
                            on_step=self._with_progress(None if schedule is None
-                                                       else schedule.on_step((share.prompt_slot, mb), cond)),
+                                                       else schedule.on_step((share.prompt_slot, mb), cond),
+                                                       sigmas.numel() - 1),
                            forward_context=self.precision, split=self.split,
-                           per_sample_grad=schedule is not None and schedule.per_sample_grad)
+                           per_sample_grad=schedule is not None and schedule.per_sample_grad, ode_solver=plan.ode_solver)
         return loop, prompt_ids
+
+    def _draw(self, step: int, slots: list[int], ids: list[int]) -> tuple[torch.Tensor, RolloutInputs]:
+        """(the (T'+1,) sigmas, the seeded inputs) of generations ``ids`` of prompt ``slots`` at training ``step``:
+        the step's shared window placed, and a rollout compressed after it cut to its T' steps (it is the full
+        rollout up to the window's end, so the first steps' selection and seeds are the full one's)."""
+        plan = self.plan
+        start = plan.window_start(step)
+        draws = draw_rollout_inputs(base_seed=plan.seed, step=step, prompt_slots=slots, generation_ids=ids,
+                                    latent_shape=plan.latent_shape, num_steps=plan.num_steps,
+                                    selection={**plan.selection, "window_start": start}, same_latent=plan.same_latent,
+                                    device=self.ctx.device)
+        sigmas = plan.rollout_sigmas(start)
+        steps = sigmas.numel() - 1
+        if steps < plan.num_steps:
+            draws = RolloutInputs(init_latents=draws.init_latents, selected=draws.selected[:, :steps],
+                                  sde_steps=draws.sde_steps[:, :steps], noise_seeds=draws.noise_seeds[:, :steps])
+        return sigmas, draws
 
     def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
         """(B,) checked rewards of a micro-batch, scored once per sample: under CP the whole latents on CP rank 0,
@@ -565,12 +623,13 @@ class StepEngine:
                              group_mean=float(plan.total(group).double().mean()))
         return GroupRecord(share=share, update=update, group_rewards=group)
 
-    def _with_progress(self, on_step):
-        """``on_step`` (or nothing) followed by a :attr:`progress` tick; ``on_step`` itself without a hook."""
+    def _with_progress(self, on_step, num_steps: int):
+        """``on_step`` (or nothing) followed by a :attr:`progress` tick; ``on_step`` itself without a hook
+        (``num_steps``: the denoising steps of each rollout of the step)."""
         if self.progress is None:
             return on_step
         plan = self.plan
-        total = plan.num_steps * sum(-(-len(s.generation_ids) // plan.micro_batch) for s in self.shares)
+        total = num_steps * sum(-(-len(s.generation_ids) // plan.micro_batch) for s in self.shares)
 
         def tick(record) -> None:
             if on_step is not None:

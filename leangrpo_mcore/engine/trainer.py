@@ -45,6 +45,7 @@ from leangrpo_mcore.engine.run_dir import RunDir, append_jsonl, check_fresh_run,
 from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
 from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, reward_input, write_eval_grid
 from leangrpo_mcore.engine.step import StepInputs, StepResult
+from leangrpo_mcore.engine.throughput import step_throughput
 from leangrpo_mcore.engine.video import require_video_extra, write_video_grid
 from leangrpo_mcore.engine.wandb_log import open_wandb
 from leangrpo_mcore.engine.watchdog import StepWatchdog
@@ -316,7 +317,7 @@ class Trainer:
         self.config = config = build.resolve_plan(config, dist_ctx.world_size, logger)
         self.schedule = config.schedule.name
         self.run_dir = RunDir(config.train.output_dir)
-        self.resume_path = first_error(self._resume_target)
+        self.resume_path = self._resume_target()
         self.pctx = build.build_context(config, dist_ctx)
         build.check_layout_early(config, self.pctx)
         self.precision = build.precision_of(config, self.pctx)
@@ -338,6 +339,8 @@ class Trainer:
         if config.parallel.reshard_after_forward is None and self.engine.plan.keeps_gathered(self.pctx):
             logger.info("FSDP2 keeps the parameters gathered through each step: %s trains different steps on "
                         "different ranks (parallel.reshard_after_forward=null)", config.grpo.timestep_selection)
+        self.throughput = step_throughput(config, self.schedule, dist_ctx.world_size, dist_ctx.device)
+        logger.info("%s", self.throughput.describe())
         self.evaluator = self._evaluator()
         self.guard = NonFiniteGuard(self.parts.optimizer)
         self.state = LoopState()
@@ -373,8 +376,14 @@ class Trainer:
                          decoder=self.data.decoder, rewards=rewards, forward_context=forward)
 
     def _resume_target(self) -> Optional[str]:
+        """Collective: the checkpoint to resume (every rank verifies its share of it), or None after rank 0 has
+        checked that a fresh run may start in the directory."""
         spec = self.config.checkpoint.resume
         path = checkpoint.resolve_resume(spec, self.run_dir, warn=self.log.warning)
+        first_error(self._prepare_fresh, spec, path)
+        return path
+
+    def _prepare_fresh(self, spec: Optional[str], path: Optional[str]) -> None:
         if path is None and spec == "auto":
             # A launch stopped before its first checkpoint (preempted, killed) leaves metrics only: auto starts
             # afresh instead of refusing them, and keeps them aside.
@@ -384,7 +393,6 @@ class Trainer:
                                  os.path.basename(old), os.path.basename(new))
         if path is None:
             check_fresh_run(self.run_dir, overwrite=self.config.train.overwrite)
-        return path
 
     def _layout_record(self) -> dict:
         layout = self.pctx.layout
@@ -569,7 +577,10 @@ class Trainer:
                "ratio_mean": sum(u.ratio_mean for u in updates) / len(updates),
                "lr": lr, "skipped": int(skipped),
                "nonfinite_streak": self.state.nonfinite_streak, "time_step_s": elapsed}
+        row.update(self.throughput.scalars(elapsed))
         row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
+        if result.window_start is not None:
+            row["sde_window_start"] = result.window_start
         if result.peak_memory_bytes is not None:
             row["peak_memory_bytes"] = int(result.peak_memory_bytes)
         # ru_maxrss is in kB on Linux: the process's peak resident memory so far (CPU runs have no allocator peak).

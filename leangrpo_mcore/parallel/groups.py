@@ -16,9 +16,13 @@ gather groups (a collective call: every rank must call it with the same argument
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from leangrpo_mcore.parallel.mesh import default_group_timeout
 
 LAYOUTS = ("shared", "conventional")
 
@@ -124,19 +128,22 @@ def gather_rank_sets(layout: str, dp_size: int, group_size: int) -> list[tuple[i
     return [tuple(range(w * group_size, (w + 1) * group_size)) for w in range(dp_size // group_size)]
 
 
-def build_group_process_groups(layout: str, dp_size: int, group_size: int, dp_global_ranks: list[list[int]]):
+def build_group_process_groups(layout: str, dp_size: int, group_size: int, dp_global_ranks: list[list[int]],
+                               timeout: Optional[timedelta] = None):
     """Create the reward-gather process groups; returns {dp rank set: group} for this rank's TP column.
 
     ``dp_global_ranks[k]`` lists the global ranks of data-parallel group k (one per tensor-parallel rank,
     ordered by data-parallel index). Every rank must call this with identical arguments (``new_group`` is
-    collective); a rank only keeps the groups it belongs to.
+    collective); a rank only keeps the groups it belongs to. The groups time out after ``timeout`` (default:
+    the default group's, ``parallel.timeout_minutes``).
     """
     mine: dict[tuple[int, ...], object] = {}
     me = dist.get_rank()
+    timeout = timeout if timeout is not None else default_group_timeout()
     for rank_set in gather_rank_sets(layout, dp_size, group_size):
         for column in dp_global_ranks:
             members = [column[i] for i in rank_set]
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if me in members:
                 mine[rank_set] = group
     return mine

@@ -194,6 +194,17 @@ def _check_fsdp_param_state() -> None:
     assert callable(getattr(_fsdp_param.FSDPParam, "to_sharded_dtensor", None))
 
 
+def _check_group_timeout() -> None:
+    # mesh.default_group_timeout reads group._get_backend(device).options._timeout; mesh_backend_options sets
+    # _timeout on the options init_device_mesh passes on as each group's timeout.
+    import torch.distributed as dist
+    from torch.distributed import device_mesh
+
+    assert callable(getattr(dist.ProcessGroup, "_get_backend", None)), "ProcessGroup lost _get_backend"
+    assert hasattr(dist.ProcessGroupGloo._Options(), "_timeout"), "ProcessGroupGloo._Options lost _timeout"
+    assert "pg_options._timeout" in _source(device_mesh), "init_device_mesh no longer takes the options' timeout"
+
+
 INTERNALS: tuple[Internal, ...] = (
     Internal("schedules.get_forward_backward_func and its schedules' keyword arguments", "parallel/pipeline.py",
              _check_scheduler_calls),
@@ -214,5 +225,7 @@ INTERNALS: tuple[Internal, ...] = (
              "models/backends.py, models/common/fp8.py", _check_fusions),
     Internal("torch: the autograd engine's queue_callback", "parallel/routing.py", _check_queue_callback),
     Internal("torch: FSDP2's per-parameter gradient state", "parallel/grad_sync.py", _check_fsdp_param_state),
+    Internal("torch: a process group's timeout in its backend's options", "parallel/mesh.py",
+             _check_group_timeout),
 )
 """Every internal the project leans on (module doc)."""

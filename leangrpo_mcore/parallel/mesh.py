@@ -11,6 +11,11 @@ dp_shard·cp ranks: the CP ranks of a sample hold the same parameters and their 
 those of any data-parallel rank, so the FSDP mesh is (dp_replicate, dp_shard·cp) with ``dp_shard`` naming that
 flattened dimension. :func:`build_parallel_context` asserts these groups against ``parallel_state``.
 
+Every group made here (megatron's, the mesh's) and by :func:`~leangrpo_mcore.parallel.groups.build_group_process_groups`
+gets the default group's timeout (``parallel.timeout_minutes``, :func:`default_group_timeout`): torch's
+``new_group`` and ``init_device_mesh`` would otherwise give each subgroup torch's own 30 minutes, so a rank
+stalled in a data-parallel or tensor-parallel collective would hang for that long whatever the key says.
+
 Without ``torch.distributed`` (a plain single process) the context is trivial: TP = DP = 1, no mesh, and
 the models' TP helpers fall back to identities.
 """
@@ -18,7 +23,8 @@ the models' TP helpers fall back to identities.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from datetime import timedelta
+from typing import Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -101,6 +107,8 @@ class ParallelContext:
     all_dp_global_ranks: list[list[int]] = field(default_factory=lambda: [[0]])
     """The same for every pipeline stage, stage after stage (what a collective ``new_group`` over the
     data-parallel groups needs on every rank)."""
+    group_timeout: Optional[timedelta] = None
+    """The timeout every group of this context was created with (None without torch.distributed)."""
 
     @property
     def dp_size(self) -> int:
@@ -125,7 +133,37 @@ class ParallelContext:
         return self.dp_mesh.get_group("dp_replicate")
 
 
-def _init_megatron(tp: int, cp: int, pp: int) -> None:
+def default_group_timeout() -> timedelta:
+    """The timeout of the default process group (what :func:`~leangrpo_mcore.engine.launch.init_distributed`
+    set from ``parallel.timeout_minutes``, or a test harness chose)."""
+    group = dist.group.WORLD
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    # torch keeps a group's timeout only in its backend's options (no public getter): listed in
+    # parallel/mcore_internals.py.
+    options = group._get_backend(device).options
+    if options is None:  # a backend without options (the simulator's fake one): torch's default
+        return dist.constants.default_pg_timeout
+    return options._timeout
+
+
+def mesh_backend_options(timeout: timedelta, ndim: int) -> Optional[dict[int, tuple[str, object]]]:
+    """``init_device_mesh``'s ``backend_override`` giving each of ``ndim`` mesh dimensions ``timeout``.
+
+    ``init_device_mesh`` has no timeout argument; it passes the options' timeout to the groups it creates.
+    """
+    backend = dist.get_backend()
+    if backend not in ("nccl", "gloo"):  # the simulator's fake backend takes no timeout
+        return None
+    options_cls = dist.ProcessGroupNCCL.Options if backend == "nccl" else dist.ProcessGroupGloo._Options
+    override = {}
+    for dim in range(ndim):
+        options = options_cls()
+        options._timeout = timeout
+        override[dim] = (backend, options)
+    return override
+
+
+def _init_megatron(tp: int, cp: int, pp: int, timeout: timedelta) -> None:
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -136,7 +174,8 @@ def _init_megatron(tp: int, cp: int, pp: int) -> None:
                              f"{tp}/{cp}/{pp}")
         return
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                             pipeline_model_parallel_size=pp)
+                                             pipeline_model_parallel_size=pp,
+                                             distributed_timeout_minutes=timeout.total_seconds() / 60.0)
 
 
 def _check_against_megatron(ctx: ParallelContext, mesh) -> None:
@@ -159,8 +198,10 @@ def _check_against_megatron(ctx: ParallelContext, mesh) -> None:
         raise RuntimeError("megatron's TP, CP or PP rank differs from the mesh's")
 
 
-def build_parallel_context(layout: Layout, device: torch.device | str = "cpu") -> ParallelContext:
-    """Resolve ``layout``, initialise megatron's TP groups and build the data-parallel DeviceMesh."""
+def build_parallel_context(layout: Layout, device: torch.device | str = "cpu",
+                           timeout: Optional[timedelta] = None) -> ParallelContext:
+    """Resolve ``layout``, initialise megatron's TP groups and build the data-parallel DeviceMesh, every group
+    with ``timeout`` (default: the default group's, :func:`default_group_timeout`)."""
     device = torch.device(device)
     if not dist.is_available() or not dist.is_initialized():
         resolved = layout.resolve(1)
@@ -171,9 +212,11 @@ def build_parallel_context(layout: Layout, device: torch.device | str = "cpu") -
     resolved = layout.resolve(world)
     replicate, shard, tp, cp, pp = (int(resolved.dp_replicate), int(resolved.dp_shard), resolved.tp, resolved.cp,
                                     resolved.pp)
-    _init_megatron(tp, cp, pp)
+    timeout = timeout if timeout is not None else default_group_timeout()
+    _init_megatron(tp, cp, pp, timeout)
     mesh = init_device_mesh(device.type, (pp, replicate, shard * cp, tp),
-                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+                            mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"),
+                            backend_override=mesh_backend_options(timeout, 4))
     dp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
     per_stage = world // pp
     stage = rank // per_stage
@@ -185,6 +228,7 @@ def build_parallel_context(layout: Layout, device: torch.device | str = "cpu") -
         pp_rank=stage, dp_rank=(rank % per_stage) // (tp * cp), device=device,
         dp_mesh=dp_mesh if replicate * shard * cp > 1 else None, dp_group=None, tp_group=None,
         dp_global_ranks=columns, all_dp_global_ranks=[column for columns_of in every for column in columns_of],
+        group_timeout=timeout,
     )
     from megatron.core import parallel_state
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.planner.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config, load_arch, preset_config
+from leangrpo_mcore.planner.arch_specs import (DEFAULT_LORA_TARGETS, ArchSpec, arch_from_config, load_arch,
+                                                preset_config)
 from leangrpo_mcore.planner.reward_specs import reward_memory
 from leangrpo_mcore.planner.workload import GiB, Precision, Workload
 
@@ -56,6 +57,28 @@ def reweight_plan_of(config: Any):
                          aggregate=config.reward.aggregate)
 
 
+def arch_of(config: Any) -> ArchSpec:
+    """The :class:`ArchSpec` of the config's policy (``model.path``, or ``model.preset`` with ``model.arch``)."""
+    m = config.model
+    if m.path:
+        return load_arch(m.path)
+    if not m.preset:
+        raise UserError("model: set model.path or model.preset to plan")
+    try:
+        return arch_from_config(m.family, {**preset_config(m.family, m.preset), **m.arch}, m.preset)
+    except ValueError as err:  # the models registry reports unknown families / presets as ValueError
+        raise UserError(str(err)) from None
+
+
+def tokens_of(config: Any, arch: ArchSpec, text_tokens: Optional[int] = None) -> dict[str, int]:
+    """Tokens per sample of each stream at the config's resolution; ``text_tokens`` defaults to the text
+    encoder's length (``model.text_max_length``, 16 for the hashed CPU embedder)."""
+    m, s = config.model, config.sampler
+    if text_tokens is None:
+        text_tokens = HASHED_TEXT_TOKENS if m.text_encoder == "hashed" else m.text_max_length
+    return arch.tokens(s.height, s.width, s.frames, text_tokens)
+
+
 def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, reward_seconds: float = 0.0,
                          reward_mem_gb: float = 0.0, decode_bytes: int = 0) -> Workload:
     """The :class:`Workload` of an experiment config, as written.
@@ -66,18 +89,8 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
     model).
     """
     m, s = config.model, config.sampler
-    if m.path:
-        arch = load_arch(m.path)
-    elif m.preset:
-        try:
-            arch = arch_from_config(m.family, {**preset_config(m.family, m.preset), **m.arch}, m.preset)
-        except ValueError as err:  # the models registry reports unknown families / presets as ValueError
-            raise UserError(str(err)) from None
-    else:
-        raise UserError("model: set model.path or model.preset to plan")
-    if text_tokens is None:
-        text_tokens = HASHED_TEXT_TOKENS if m.text_encoder == "hashed" else m.text_max_length
-    tokens = arch.tokens(s.height, s.width, s.frames, text_tokens)
+    arch = arch_of(config)
+    tokens = tokens_of(config, arch, text_tokens)
     # null targets: the family's default set (as ``engine.build`` resolves them)
     targets = DEFAULT_LORA_TARGETS[arch.family] if m.lora.targets is None else tuple(m.lora.targets)
     scorer = reward_memory(config.reward)

@@ -1,6 +1,7 @@
 """Spawn N gloo ranks from inside pytest.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (spawn), each with a fresh
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (forked from a fork server that has imported torch, megatron-core and
+the project once), each with a fresh
 gloo process group on a free loopback port, calls ``fn(rank, world_size, *args)`` and returns the
 list of per-rank return values (which must be picklable). A rank that raises makes the call fail
 with that rank's traceback; a run that exceeds ``timeout`` seconds is killed and fails, naming the
@@ -26,7 +27,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, results) -> None:
+def _worker(fn, rank, world_size, port, args, results, environ, init) -> None:
+    # a forked rank inherits the fork server's environment, not the test's (which may have changed since)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -41,7 +45,8 @@ def _worker(fn, rank, world_size, port, args, results) -> None:
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if init:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
         # Plain pickle copies tensor data; the queue's own pickler would pass shared-memory handles that
         # vanish when this process exits before the parent reads them.
@@ -53,13 +58,27 @@ def _worker(fn, rank, world_size, port, args, results) -> None:
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
-    ctx = mp.get_context("spawn")
+# Every rank would otherwise import torch, megatron-core and the project afresh (several CPU seconds each): a
+# fork server imports them once per test process and forks each rank from that clean, single-threaded state.
+_PRELOAD = ["torch", "torch.distributed", "megatron.core.tensor_parallel", "leangrpo_mcore.engine.trainer"]
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0,
+              init: bool = True) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result. With
+    ``init=False`` the ranks start without a process group (``fn`` makes its own from the torchrun-style
+    environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, results), daemon=False)
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, results, dict(os.environ), init), daemon=False)
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -98,13 +117,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     return [outputs[r] for r in range(world_size)]
 
 
-def torchrun_train(root, *args: str, nproc: int = 2, timeout: float = 300.0) -> None:
-    """``leangrpo_mcore.train`` under torchrun on ``nproc`` local gloo ranks with ``args``; fails with its stderr."""
-    import subprocess
-    import sys
+def _train(rank: int, world_size: int, argv: list[str]) -> int:
+    from leangrpo_mcore.cli.train import main
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "leangrpo_mcore.train", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)})
-    assert done.returncode == 0, done.stderr[-3000:]
+    return main(argv)
+
+
+def train_ranks(*argv: str, nproc: int = 2, timeout: float = 300.0) -> None:
+    """``leangrpo-train argv`` on ``nproc`` local gloo ranks, each started as torchrun starts a rank (its
+    environment, no process group yet); fails unless every rank exits with 0."""
+    codes = run_ranks(_train, nproc, list(argv), timeout=timeout, init=False)
+    assert codes == [0] * nproc, f"leangrpo-train exited with {codes}"

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main as train_main
+from leangrpo_mcore.engine.throughput import TIMED_SCALARS
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 from tests.ckpt_helpers import model_tensors, stored_tensors
 from tests.distributed.launcher import free_port
@@ -65,7 +66,7 @@ def _serving(delay_s: float):
 
 def _rows(run: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith(("time_", "max_rss"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time_", "max_rss", *TIMED_SCALARS))} for r in rows]
 
 
 def _run(run: Path, *overrides: str) -> tuple[int, list[str]]:

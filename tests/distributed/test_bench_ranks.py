@@ -1,4 +1,5 @@
-"""The benchmark tool on two gloo ranks with FSDP2: rank 0 reports, the sweep path, gradients agree."""
+"""The benchmark tool on two gloo ranks with FSDP2: rank 0 reports, the sweep path, gradients agree, and Native is
+also timed replicated (the strongest baseline)."""
 
 import json
 
@@ -38,3 +39,18 @@ def test_two_rank_run_reports_once_with_matching_gradients(tmp_path):
             assert min(step["phases_s"].values()) >= -1e-6 and entry["peak_memory_bytes"] is None
         for name in ("native_coalesced", "reweight"):
             assert run["parity"][name]["cosine"] > 1 - 1e-6 and run["parity"][name]["rel_l2"] < 1e-4
+        # Native on the other layout, with both syncs, joins the listed schedules; the best of the four leads.
+        natives = ["native", "native_coalesced", "native@replicated", "native_coalesced@replicated"]
+        assert meta["order"] == ["native", "native_coalesced", "reweight", *natives[2:]]
+        assert meta["layouts"] == {"native": "sharded", "native_coalesced": "sharded", "reweight": "sharded",
+                                   "native@replicated": "replicated", "native_coalesced@replicated": "replicated"}
+        medians = {n: run["schedules"][n]["step_time_s"]["median"] for n in natives}
+        best = run["baselines"]["best"]
+        assert best == min(medians, key=medians.get) and run["baselines"]["fsdp"] == "native"
+        reweight = run["schedules"]["reweight"]
+        assert reweight["speedup_vs_best"] == pytest.approx(medians[best] / reweight["step_time_s"]["median"])
+        for name in natives:  # every layout runs the same forwards (one sample per rank, T = 3, |S| = 1)
+            rows = run["schedules"][name]["steps"][0]["forward_rows"]
+            assert rows == {"nograd": 3, "rollout_grad": 0, "recompute": 1, "reference": 0}
+            assert run["schedules"][name]["throughput"]["samples_per_s_per_device"] == pytest.approx(
+                1 / run["schedules"][name]["step_time_s"]["median"])

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.ckpt_helpers import model_tensors
-from tests.distributed.launcher import run_ranks, torchrun_train
+from tests.distributed.launcher import run_ranks, train_ranks
 from tests.unit.test_schedules_parity import Case, rel_l2, run_case
 
 pytestmark = pytest.mark.distributed
@@ -184,8 +184,8 @@ def test_pp2_cp2_equals_world_size_1(stages_and_cp):
         assert not np.array_equal(ranks[0][name].trajectory, ranks[1][name].trajectory), name
 
 
-def _torchrun(run: Path, *overrides: str) -> None:
-    torchrun_train(ROOT, "--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides)
+def _train(run: Path, *overrides: str) -> None:
+    train_ranks("--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides)
 
 
 def _flat(tensors: dict) -> torch.Tensor:
@@ -196,7 +196,7 @@ def test_pp2_checkpoint_resumes_at_pp1(tmp_path):
     from leangrpo_mcore.cli.train import main as train_main
 
     reference = tmp_path / "pp2"
-    _torchrun(reference, "parallel.pp=2")
+    _train(reference, "parallel.pp=2")
     run = tmp_path / "pp1"
     shutil.copytree(reference, run)
     shutil.rmtree(run / "checkpoints" / "step_3")

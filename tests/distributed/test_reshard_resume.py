@@ -17,7 +17,7 @@ import torch
 
 from leangrpo_mcore.cli.train import main as train_main
 from tests.ckpt_helpers import model_tensors
-from tests.distributed.launcher import torchrun_train
+from tests.distributed.launcher import train_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -27,8 +27,8 @@ COMMON = ("reward.name=tests.unit.test_precision:contrast", "checkpoint.save_eve
           "logging.progress_bar=false", "logging.tensorboard=false")
 
 
-def _torchrun(run: Path, *overrides: str) -> None:
-    torchrun_train(ROOT, "--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides)
+def _train(run: Path, *overrides: str) -> None:
+    train_ranks("--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides)
 
 
 def _flat(tensors: dict) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _flat(tensors: dict) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("ws2") / "run"
-    _torchrun(run)
+    _train(run)
     return run
 
 
@@ -67,21 +67,21 @@ def test_resume_at_world_size_1(reference, tmp_path):
 
 def test_resume_at_tp2(reference, tmp_path):
     run = _resumed_copy(reference, tmp_path / "tp2")
-    _torchrun(run, "parallel.tp=2", f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
+    _train(run, "parallel.tp=2", f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
     _check(reference, run)
 
 
 def test_resume_at_cp2(reference, tmp_path):
     """The data-parallel checkpoint continues with each sample's tokens split over 2 ranks (cp 1 -> 2)."""
     run = _resumed_copy(reference, tmp_path / "cp2")
-    _torchrun(run, "parallel.cp=2", f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
+    _train(run, "parallel.cp=2", f"checkpoint.resume={run / 'checkpoints' / 'step_2'}")
     _check(reference, run)
 
 
 @pytest.fixture(scope="module")
 def cp_reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("cp2") / "run"
-    _torchrun(run, "parallel.cp=2")
+    _train(run, "parallel.cp=2")
     return run
 
 
@@ -95,7 +95,7 @@ def test_cp2_checkpoint_resumes_at_world_size_1(cp_reference, tmp_path):
 
 def test_hsdp_checkpoint_resumes_at_world_size_1(tmp_path):
     reference = tmp_path / "hsdp"
-    _torchrun(reference, "parallel.dp_replicate=2", "parallel.dp_shard=1")  # replicas: each box written once
+    _train(reference, "parallel.dp_replicate=2", "parallel.dp_shard=1")  # replicas: each box written once
     run = _resumed_copy(reference, tmp_path / "ws1")
     assert train_main(["--config", TINY_FLUX, f"train.output_dir={run}", *COMMON,
                        f"checkpoint.resume={run / 'checkpoints' / 'step_2'}"]) == 0

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_ranks
-from tests.unit.test_schedules_parity import Case, bitwise, check_parity, rel_l2, run_case
+from tests.unit.test_schedules_parity import MIX_FLASH, Case, bitwise, check_parity, rel_l2, run_case
 
 pytestmark = pytest.mark.distributed
 
@@ -47,6 +47,8 @@ def _all_configurations(rank: int, world_size: int) -> dict:
         runs[f"gathered_{schedule}"] = GATHERED.but(schedule=schedule, reshard=False)
     runs.update(sharded_native=GATHERED.but(reshard=True), sharded_retain=GATHERED.but(schedule="retain", reshard=True),
                 auto_reweight=GATHERED.but(schedule="reweight"))
+    for schedule in ("native", "retain", "reweight"):  # a shared window: Reweight may reshard
+        runs[f"mix_{schedule}"] = MIX_FLASH.but(schedule=schedule, reshard=True, sync="coalesced")
     out = {name: run_case(case) for name, case in runs.items()}
     try:
         run_case(GATHERED.but(schedule="reweight", reshard=True))
@@ -66,7 +68,8 @@ def results():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks run single-threaded kernels; so must the reference
     try:
-        reference = {"flux": run_case(FLUX), "wan": run_case(WAN_LORA_KL), "sd3": run_case(SD3_CFG_LORA_KL)}
+        reference = {"flux": run_case(FLUX), "wan": run_case(WAN_LORA_KL), "sd3": run_case(SD3_CFG_LORA_KL),
+                     "mix": run_case(MIX_FLASH)}
     finally:
         torch.set_num_threads(threads)
     return ranks, reference
@@ -86,6 +89,15 @@ def test_fsdp_shared_layout(results):
     # the shared layout splits every group: rank r made generations r and r + 2 of each prompt
     assert not np.array_equal(ranks[0]["shared_native"].trajectory, ranks[1]["shared_native"].trajectory)
     assert bitwise(ranks[0]["shared_retain"].params, ranks[1]["shared_retain"].params)
+
+
+def test_progressive_window_dpmpp_2m_compressed(results):
+    """MixGRPO-Flash's sampler under FSDP2 (shared layout): the schedules agree, and with the single process."""
+    ranks, reference = results
+    for out in ranks:
+        check_parity(out["mix_native"], out["mix_retain"], out["mix_reweight"])
+        assert np.array_equal(out["mix_native"].rewards, reference["mix"].rewards)
+        assert rel_l2(reference["mix"].grads[0], out["mix_native"].grads[0]) < 1e-6
 
 
 def test_parameters_kept_gathered_through_the_step(results):

@@ -18,13 +18,21 @@ import torch
 
 from leangrpo_mcore.cli.convert import main as convert_main
 from leangrpo_mcore.cli.train import main as train_main
+from leangrpo_mcore.engine.throughput import TIMED_SCALARS
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 from tests.ckpt_helpers import model_tensors, stored_tensors
 from tests.distributed.launcher import free_port, run_ranks
 
+VARYING = ("time_", "max_rss", *TIMED_SCALARS)
+"""Prefixes of the metrics that differ between otherwise identical runs."""
+
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[2]
+# The tiny configs' reward is the JPEG size in kB of uint8 images: a rounding-level weight difference can move a
+# pixel across a uint8 step and a sample's file by a byte or two, so rewards of runs that differ only in reduction
+# order agree to a few 1e-3 kB, not to float rounding (the weights are compared to float rounding instead).
+JPEG_BYTE = 2e-3
 TINY = {name: str(ROOT / "yaml_configs" / "tiny" / f"{name}.yaml") for name in ("flux", "wan")}
 LORA = ("model.lora.rank=4", "model.lora.alpha=8", "train.ema_decay=0.5")
 # TP=2 and TP=1 images differ by fp32 rounding; a JPEG reward turns a pixel that rounds to the next uint8 level
@@ -128,7 +136,8 @@ def test_flux_world2_under_torchrun_matches_world1(flux_world1, flux_world2):
     # Same seeds, so the same trajectories: step 1 is identical, later steps agree to reduction-order rounding.
     assert all(rows[0][k] == reference[0][k] for k in ("reward_mean", "reward_std"))
     for mine, ref in zip(rows, reference):
-        assert mine["reward_mean"] == pytest.approx(ref["reward_mean"], rel=1e-4)
+        assert mine["reward_mean"] == pytest.approx(ref["reward_mean"], abs=JPEG_BYTE)
+    _close_weights(run / "checkpoints" / "step_3", flux_world1[0] / "checkpoints" / "step_3", rtol=1e-4)
 
 
 def _resume_here(src: Path, dst: Path, capsys, *overrides: str) -> tuple[list[dict], str]:
@@ -151,7 +160,7 @@ def test_fsdp_world2_checkpoint_resumes_at_world1(flux_world1, flux_world2, tmp_
     rows, log = _resume_here(flux_world2[0], tmp_path / "run", capsys)
     assert "resharding checkpoint written at world size 2 (tp 1) to world size 1 (tp 1)" in log
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[2]["reward_mean"] == pytest.approx(reference[2]["reward_mean"], rel=1e-4)
+    assert rows[2]["reward_mean"] == pytest.approx(reference[2]["reward_mean"], abs=JPEG_BYTE)
     _close_weights(tmp_path / "run" / "checkpoints" / "step_3", ref_run / "checkpoints" / "step_3", rtol=1e-4)
 
 
@@ -216,7 +225,7 @@ def test_world2_background_scoring_is_the_synchronous_run_and_its_errors_stop_ev
         code, lines, traceback = rank_results[8]
         printed = ["error: reward 'nan_on_rank1' returned 1 non-finite values"] if rank == 0 else []  # once per job
         assert (code, lines, traceback) == (2, printed, False)
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "max_rss"))} for r in rows]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(VARYING)} for r in rows]
     assert strip(_rows(root / "bg_async")) == strip(_rows(root / "bg_sync")) and len(_rows(root / "bg_sync")) == 2
     mine = model_tensors(root / "bg_async" / "checkpoints" / "step_2")
     ref = model_tensors(root / "bg_sync" / "checkpoints" / "step_2")
@@ -228,7 +237,7 @@ def test_world2_background_scoring_is_the_synchronous_run_and_its_errors_stop_ev
 
 def test_fsdp_resume_at_world2_is_bit_identical(world2_runs):
     root, _ = world2_runs
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time_", "max_rss"))} for r in rows]
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(VARYING)} for r in rows]
     assert strip(_rows(root / "resumed")) == strip(_rows(root / "wan2"))
     mine = model_tensors(root / "resumed" / "checkpoints" / "step_3")
     ref = model_tensors(root / "wan2" / "checkpoints" / "step_3")

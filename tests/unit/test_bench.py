@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from leangrpo_mcore.bench.probe import ForwardProbe, TrainingSnapshot
-from leangrpo_mcore.bench.report import (PHASES, StepSample, finish_report, ideal_ratio, ideal_sources,
+from leangrpo_mcore.bench.report import (PHASES, StepSample, finish_report, glance_table, ideal_ratio, ideal_sources,
                                          split_phases, spread, sweep_markdown)
 from leangrpo_mcore.bench.probe import ForwardTally
 from leangrpo_mcore.bench.runner import BenchOptions, parse_schedules
@@ -101,19 +101,52 @@ def test_finish_report_speedups_and_ideal_sources():
     assert ideal["ratio"] == pytest.approx(ideal_ratio(4, 2, 1.8 / 12, 0.25))
     assert report["schedules"]["retain"]["speedup"] == pytest.approx(11.0 / 8.5)
     assert report["schedules"]["retain"]["fraction_of_ideal"] == pytest.approx(11.0 / 8.5 / ideal["ratio"])
+    assert report["baselines"] == {"best": "native", "fsdp": "native", "medians_s": {"native": 11.0}}
+    assert report["schedules"]["retain"]["speedup_vs_best"] == pytest.approx(11.0 / 8.5)
     assert ideal_sources(["native", "retain"], 1) == ("native", "native")
     assert ideal_sources(["reweight", "native_coalesced", "native"], 4) == ("native", "native_coalesced")
 
 
+def test_best_native_over_layouts_and_throughput():
+    # The config's layout is replicated: FSDP2 Native is native@sharded; the fastest Native is the coalesced one.
+    samples = {"native": [_sample(s, 2.0, 8, 0, 4, 1.2) for s in (10.0, 10.0)],
+               "native_coalesced": [_sample(s, 2.0, 8, 0, 4, 1.2) for s in (9.0, 9.0)],
+               "native@sharded": [_sample(s, 2.0, 8, 0, 4, 1.2) for s in (12.0, 12.0)],
+               "reweight": [_sample(s, 1.0, 4, 4, 0, 0.8) for s in (6.0, 6.0)]}
+    counts = {"reweight": {"samples_per_step": 8, "devices": 2, "flops_per_step": 3e12, "peak_tflops": 0.5,
+                           "passes_per_rank": {}}}
+    meta = {"dp_size": 2, "layout": "replicated", "title": "t", "world_size": 2}
+    report = finish_report({"meta": meta, "shape": {"num_steps": 4, "steps_per_sample": 2}}, samples, counts)
+    assert (report["baselines"]["best"], report["baselines"]["fsdp"]) == ("native_coalesced", "native@sharded")
+    entry = report["schedules"]["reweight"]
+    assert (entry["speedup"], entry["speedup_vs_best"], entry["speedup_vs_fsdp"]) == pytest.approx((10 / 6, 1.5, 2.0))
+    assert entry["fraction_of_ideal_vs_best"] == pytest.approx(1.5 / report["ideal"]["ratio"])
+    rate = entry["throughput"]
+    assert (rate["samples_per_s"], rate["samples_per_s_per_device"]) == pytest.approx((8 / 6, 4 / 6))
+    assert (rate["tflops_per_device"], rate["mfu"]) == pytest.approx((0.25, 0.5))
+    assert report["schedules"]["native"]["throughput"] == {}
+    report["meta"]["layouts"] = {"native": "replicated", "native_coalesced": "replicated",
+                                 "native@sharded": "sharded", "reweight": "replicated"}
+    head, _, row = glance_table(report, "FLUX")
+    assert head == ("| run | ws | ideal | best Native | best Native (s) | reweight vs best | FSDP2 Native (s) "
+                    "| peak MiB native@sharded |")
+    ratio = report["ideal"]["ratio"]
+    assert row == f"| FLUX | 2 | {ratio:.3f} | native_coalesced | 9.000 | 1.50× ({1.5 / ratio:.2f}) | 12.000 | – |"
+
+
 def test_sweep_markdown_has_one_row_per_value():
     run = {"shape": {"num_steps": 6, "steps_per_sample": 5, "tokens": 256}, "ideal": {"ratio": 1.3},
+           "baselines": {"best": "native_coalesced"},
            "schedules": {"native": {"step_time_s": {"median": 2.0}, "speedup": 1.0, "peak_memory_bytes": 2**20},
+                         "native_coalesced": {"step_time_s": {"median": 1.8}, "speedup": 2 / 1.8,
+                                              "peak_memory_bytes": 2**21},
                          "reweight": {"step_time_s": {"median": 1.6}, "speedup": 1.25, "cpu_speedup": 1.3,
-                                      "peak_memory_bytes": None}}}
+                                      "speedup_vs_best": 1.125, "peak_memory_bytes": None}}}
     text = sweep_markdown({"sweep": {"key": "sampler.height", "values": ["128", "256"]}, "runs": [run, run]})
     rows = text.strip().splitlines()
     assert len(rows) == 4
-    assert rows[2] == "| 128 | 6 | 5 | 256 | 1.300 | 2.000 | 1.600 | 1.25× | 1.30× | 1.0 | – |"
+    assert rows[2] == ("| 128 | 6 | 5 | 256 | 1.300 | native_coalesced | 2.000 | 1.800 | 1.600 | 1.12× | 1.25× "
+                       "| 1.30× | 1.0 | 2.0 | – |")
 
 
 def test_snapshot_restores_weights_and_optimizer_state_in_place():
@@ -188,6 +221,9 @@ def test_one_warmup_one_step_run_is_consistent(tmp_path, capsys):
     shape, ideal, schedules = run["shape"], run["ideal"], run["schedules"]
     t, s, n = shape["num_steps"], shape["steps_per_sample"], shape["samples_per_rank"]
     assert (t, s, n, shape["tokens"]) == (3, 2, 2, 4) and run["meta"]["order"] == ["native", "retain", "reweight"]
+    # One rank: no other layout or sync to try, Native is the best and the FSDP2 Native at once.
+    assert set(run["meta"]["layouts"].values()) == {"single"}
+    assert (run["baselines"]["best"], run["baselines"]["fsdp"]) == ("native", "native")
     native = schedules["native"]["step_time_s"]["median"]
     for entry in schedules.values():
         step = entry["steps"][0]
@@ -213,6 +249,14 @@ def test_one_warmup_one_step_run_is_consistent(tmp_path, capsys):
     assert ideal["forward_s"] == pytest.approx(forward)
     assert ideal["ratio"] == pytest.approx(ideal_ratio(t, s, ideal["forward_s"], ideal["backward_s"]))
     assert 1.0 < ideal["ratio"] < 1.0 + t / s
+    for name, entry in schedules.items():
+        # The planner's FLOP count of the step counts the forwards the step ran, by kind.
+        rate = entry["throughput"]
+        assert {k: v for k, v in rate["passes_per_rank"].items() if k != "backward"} == rows[name]
+        assert rate["samples_per_s"] == pytest.approx(n / entry["step_time_s"]["median"])
+        seconds = entry["step_time_s"]["median"]
+        assert rate["tflops_per_device"] == pytest.approx(rate["flops_per_step"] / seconds / 1e12)
+        assert rate["mfu"] is None  # CPU, no logging.peak_tflops
     parity = run["parity"]
     assert parity["retain"]["cosine"] > 1 - 1e-9 and parity["retain"]["rel_l2"] < 1e-6
     assert parity["reweight"]["cosine"] > 1 - 1e-6 and parity["reweight"]["rel_l2"] < 1e-4

@@ -17,10 +17,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "leangrpo_mcore"
 PLANNER = f"{PACKAGE}.planner"
-# Entry points may use the planner; the runtime may reach it only through engine.build's resolve_plan, which
-# imports the package entry (plan_for_config) for ``schedule.name: auto``.
+# Entry points may use the planner; the runtime may reach it only through the package entry: engine.build's
+# resolve_plan (plan_for_config, for ``schedule.name: auto``) and engine.throughput's step_throughput
+# (step_flops_for_config, the FLOPs behind the per-step throughput metrics).
 PLANNER_USERS = (f"{PACKAGE}.cli.plan", f"{PACKAGE}.cli.bench", f"{PACKAGE}.bench")
 RUNTIME_ENTRY = f"{PACKAGE}.engine.build"
+RUNTIME_ENTRIES = (RUNTIME_ENTRY, f"{PACKAGE}.engine.throughput")
 
 
 def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
@@ -104,8 +106,8 @@ def test_graph_reads_relative_and_lazy_imports():
     graph = import_graph()
     # rl/rewards/__init__.py registers its rewards with ``from . import aesthetic, ...``.
     assert f"{PACKAGE}.rl.rewards.aesthetic" in graph[f"{PACKAGE}.rl.rewards"]
-    # resolve_plan imports the planner inside the function.
-    assert PLANNER in graph[RUNTIME_ENTRY]
+    # resolve_plan and step_throughput import the planner inside the function.
+    assert all(PLANNER in graph[entry] for entry in RUNTIME_ENTRIES)
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
 
@@ -118,10 +120,11 @@ def test_no_import_cycle():
 def test_only_entry_points_import_the_planner():
     users = planner_importers(import_graph())
     allowed = {m for m in users if m in PLANNER_USERS or m.startswith(f"{PACKAGE}.bench.")}
-    wrong = {m: sorted(t) for m, t in users.items() if m not in allowed and m != RUNTIME_ENTRY}
+    wrong = {m: sorted(t) for m, t in users.items() if m not in allowed and m not in RUNTIME_ENTRIES}
     assert not wrong, f"runtime modules importing the planner: {wrong}"
     # The runtime's one way in is the package entry, not a planner module.
-    assert users.get(RUNTIME_ENTRY, {PLANNER}) == {PLANNER}, users[RUNTIME_ENTRY]
+    for entry in RUNTIME_ENTRIES:
+        assert users.get(entry, {PLANNER}) == {PLANNER}, users[entry]
 
 
 def test_runtime_imports_load_no_planner_module():

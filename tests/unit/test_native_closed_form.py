@@ -29,7 +29,9 @@ from leangrpo_mcore.schedules import Objective
 TOKENS, CHANNELS = 4, 3
 NOISE_LEVEL = 0.9
 CLIP = 1e-4
-BETA = 1.0  # the KL and the policy-gradient parts of the gradient are of one size
+# per KL form, a β at which the KL and the policy-gradient parts of the gradient are of one size (the exact form
+# divides by 2·s², smaller than flow_grpo's 2·std_t², so its KL is the larger)
+BETA = {"flow_grpo": 1.0, "exact": 0.2}
 PROMPTS, GROUP, STEPS = 2, 4, 4
 
 
@@ -117,7 +119,7 @@ def _run_step(kl_form: str):
     plan = StepPlan(
         schedule="native", group_size=GROUP, prompts_per_step=PROMPTS, latent_shape=(TOKENS, CHANNELS),
         sigmas=sigmas, sde=SDEParams.from_sigmas("flow_grpo", NOISE_LEVEL, sigmas),
-        objective=Objective(clip_range=CLIP, kl_beta=BETA, kl_form=kl_form),
+        objective=Objective(clip_range=CLIP, kl_beta=BETA[kl_form], kl_form=kl_form),
         selection={"method": "flow_grpo", "fraction": 0.99}, micro_batch=2, max_grad_norm=0.0, seed=3)
     ctx = build_parallel_context(Layout())
     try:
@@ -205,7 +207,7 @@ def _rel(got: dict, want: dict) -> float:
 def test_native_gradient_with_kl_is_the_objective_written_out(kl_form):
     before, grads, result, sigmas = _run_step(kl_form)
     assert sorted(grads) == ["proj.lora_A.weight", "proj.lora_B.weight"]
-    loss, want = _reference_grads(before, result, sigmas, kl_form, BETA)
+    loss, want = _reference_grads(before, result, sigmas, kl_form, BETA[kl_form])
     _, policy_part = _reference_grads(before, result, sigmas, kl_form, 0.0)
     # the KL part is a large share of the gradient, so a KL off by a constant factor moves it far past the tolerance
     kl_part = {k: want[k] - policy_part[k] for k in want}

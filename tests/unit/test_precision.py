@@ -50,7 +50,9 @@ def test_fp32_master_weights_keep_small_updates_that_bf16_master_weights_lose(tm
 def test_bf16_compute_update_points_where_the_fp32_one_does(tmp_path):
     # SGD: the update is the gradient itself. (AdamW divides each element by its own gradient scale, which
     # turns the bf16 rounding of near-zero gradients into opposite signs: measured cosine 0.85 here.)
-    sgd = ("optim.name=sgd", "optim.lr=1e-3")
+    # train.seed=1: at seed 0 one group's two contrasts lie within bf16 rounding of each other, so its ±1
+    # advantages swap sign between the runs (measured cosine 0.84); seeds 1-3 measured 0.993-0.994.
+    sgd = ("optim.name=sgd", "optim.lr=1e-3", "train.seed=1")
     reference, _, _ = _update(tmp_path, "fp32", *sgd)
     mixed, dtypes, _ = _update(tmp_path, "mixed", *sgd, "model.dtype=bfloat16")
     assert dtypes == {torch.float32}

@@ -25,6 +25,7 @@ from leangrpo_mcore.diffusion.sampler import SDEParams
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import FluxVelocity, SD3Velocity, WanVelocity
+from leangrpo_mcore.diffusion.window import SDEWindow
 from leangrpo_mcore.engine import StepEngine, StepInputs, StepPlan
 from leangrpo_mcore.parallel.fsdp import apply_fsdp
 from leangrpo_mcore.parallel.mesh import Layout, build_parallel_context
@@ -70,6 +71,16 @@ class Case:
     """reward.async_scoring: each group scored in the background during the next group's rollout."""
     reward_weights: Optional[tuple[float, ...]] = None
     """reward.aggregate=advantages: the weights of the (B, K) component rewards the reward function returns."""
+    window_schedule: str = "random"
+    """sampler.sde_window_schedule (with selection sde_window)."""
+    window_range: tuple[int, int] = (0, 2)
+    """sampler.sde_window_range."""
+    ode_solver: str = "euler"
+    """sampler.ode_solver: the ODE steps outside the SDE window."""
+    ode_after: int = 0
+    """sampler.ode_steps_after_window (0: no compression)."""
+    step: int = 5
+    """The training step number (seeds; a progressive window's position)."""
 
     def but(self, **changes) -> "Case":
         """A copy with ``changes``."""
@@ -208,18 +219,21 @@ def run_case(case: Case, reward_fn=None) -> Outcome:
         sigmas=sigmas, sde=SDEParams.from_sigmas(kind, noise, sigmas),
         objective=Objective(clip_range=1e-4, kl_beta=case.kl_beta, kl_form=case.kl_form),
         selection={"method": case.selection, "fraction": case.fraction, "window_size": case.window,
-                   "window_range": (0, 2)},
+                   "window_range": case.window_range},
         advantage=case.advantage, adv_clip_max=case.adv_clip_max, global_std=case.global_std, layout=case.layout,
         micro_batch=case.micro_batch, updates_per_rollout=case.updates, sync=case.sync,
         reweight_accumulate=case.accumulate, max_grad_norm=1.0, seed=3, reshard_after_forward=case.reshard,
         async_scoring=case.async_scoring, reward_weights=case.reward_weights,
+        window=SDEWindow(size=case.window, low=case.window_range[0], high=case.window_range[1],
+                         schedule=case.window_schedule, ode_steps_after=case.ode_after),
+        ode_solver=case.ode_solver,
     )
     named = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     optimizer = RecordingSGD(params, lr=0.5)
     engine = StepEngine(plan, policy=policy, velocity_fn=velocity, ctx=ctx, optimizer=optimizer,
                         reward_fn=reward_fn or _reward, keep_trajectories=True)
-    result = engine.step(StepInputs(step=5, conditioning=cond, prompt_ids=torch.arange(case.prompts)))
+    result = engine.step(StepInputs(step=case.step, conditioning=cond, prompt_ids=torch.arange(case.prompts)))
     pieces = [torch.cat([t.latents.flatten(), t.next_latents.flatten(), t.log_probs.flatten()])
               for slot in sorted(result.trajectories) for t in result.trajectories[slot]]
     return Outcome(grads=optimizer.recorded, names=[name for name, _ in named], params=[_full(p, p) for p in params],
@@ -312,6 +326,22 @@ def test_sd3_cfg_dual_attention_lora_kl():
     native, retain, reweight = run_three(case)
     check_parity(native, retain, reweight)
     assert any("attn2.to_q.lora" in name for name in native.names)  # the MMDiT-X attention trains too
+
+
+# MixGRPO-Flash: a progressive window (at step 5: start 1 of [0, 3)), DPM-Solver++(2M) outside it and the 3 steps
+# after it compressed to 2 (the first of them second order), on both families
+MIX_FLASH = Case(selection="sde_window", window=2, fraction=1.0, num_steps=6, window_schedule="progressive",
+                 window_range=(0, 3), ode_solver="dpmpp_2m", ode_after=2)
+
+
+@pytest.mark.parametrize("family, extra", [("flux", {}), ("wan", {"lora": True, "kl_beta": 20.0, "micro_batch": 2})])
+def test_progressive_window_dpmpp_2m_compressed(family, extra):
+    case = MIX_FLASH.but(family=family, **extra)
+    native, retain, reweight = run_three(case)
+    check_parity(native, retain, reweight, per_sample=case.micro_batch > 1, tol=2e-6)  # measured 2.0e-7, 3.3e-7
+    euler = run_case(case.but(schedule="native", ode_solver="euler"))
+    assert native.trajectory.shape == euler.trajectory.shape  # 5 steps each: 1 + 2 window + 2 compressed
+    assert float(np.abs(native.trajectory - euler.trajectory).max()) > 1e-4  # the second-order steps ran
 
 
 def test_wan_global_std_with_clamping():

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 import leangrpo_mcore
-from leangrpo_mcore.cli import bench, convert, plan, train
+from leangrpo_mcore.cli import bench, convert, plan, torchrun, train
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("tool", [train, convert, plan, bench])
+@pytest.mark.parametrize("tool", [train, convert, plan, bench, torchrun])
 def test_every_cli_prints_the_version(tool, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tool.main(["--version"])

@@ -48,6 +48,20 @@ def test_flux_experiments_are_the_papers():
     assert load_config(str(FLUX / "flowgrpo_fast.yaml")).sampler.noise_level == 0.8
 
 
+def test_mixgrpo_flash_is_the_references():
+    """MixGRPO-Flash's FLUX script: 25 steps, eta 0.7, shift 3, a 4-step window moving 1 step every 20 iterations
+    up to the last step MixGRPO trains (22), DPM-Solver++ order 2, 720x720, 12 generations, lr 1e-5."""
+    config = load_config(str(FLUX / "mixgrpo_flash.yaml"))
+    s, g = config.sampler, config.grpo
+    assert (s.num_steps, s.noise_level, s.sigma_schedule, s.shift, s.sde_kind) == (25, 0.7, "dance", 3.0, "flow_grpo")
+    assert (s.sde_window_size, s.sde_window_schedule, s.window_stride, s.window_shift_every) == (4, "progressive", 1, 20)
+    assert s.sde_window_range[1] - 1 + s.sde_window_size - 1 == 22
+    assert (s.ode_solver, s.ode_steps_after_window) == ("dpmpp_2m", 7)
+    assert int((25 - 3) * 0.4) - 1 == 7  # the reference's post-window steps at the first window (ratio 0.4)
+    assert (s.height, s.width, s.same_latent, g.group_size, config.optim.lr) == (720, 720, True, 12, 1e-5)
+    assert (g.timestep_selection, g.kl_beta, g.clip_range) == ("sde_window", 0.0, 1e-4)
+
+
 def test_wan_experiment_is_the_papers():
     config = load_config(str(WAN))
     s = config.sampler

@@ -5,8 +5,9 @@ on ``meta`` too, and ``to_empty`` then allocates only what this rank holds. Each
 one or more boxes of the FULL tensor (:func:`~leangrpo_mcore.models.common.dcp_blocks.block_tensor`), and a
 :data:`BoxReader` supplies exactly those boxes:
 
-- :func:`random_boxes`: the seeded init rule of the parameter (identical at every layout: the FULL tensor of one
-  parameter is drawn from ``(seed, name)`` and sliced, so no rank ever holds more than one full parameter);
+- :func:`random_boxes`: the seeded init rule of the parameter, computed for the box alone (a counter-based
+  generator keyed by ``(seed, name)`` and the element's place in the FULL tensor, see
+  :mod:`~leangrpo_mcore.models.common.init`: identical at every layout, and each rank draws only what it holds);
 - :func:`source_boxes`: a checkpoint in our format (safetensors or a training checkpoint), reading the box only;
 - :func:`assembled_boxes`: a diffusers checkpoint through the family's assembly plan, reading from each stored
   piece only the rows and columns the box needs.
@@ -23,7 +24,7 @@ import torch
 from leangrpo_mcore.models.common.assembly import Assembly
 from leangrpo_mcore.models.common.checkpoint import CheckpointError, TensorSource
 from leangrpo_mcore.models.common.dcp_blocks import block_tensor
-from leangrpo_mcore.models.common.init import InitFn, _INIT_ATTR, _param_seed
+from leangrpo_mcore.models.common.init import InitFn, _INIT_ATTR, param_key
 from leangrpo_mcore.models.common.tp import tp_rank, tp_world_size
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -43,17 +44,12 @@ def _narrow(tensor: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ..
 
 
 def random_boxes(rules: Mapping[str, InitFn], full_shapes: Mapping[str, tuple[int, ...]], seed: int) -> BoxReader:
-    """Boxes of each parameter's seeded init (``full_shapes``: name -> FULL shape)."""
-    cache: dict[str, torch.Tensor] = {}
+    """Boxes of each parameter's seeded init (``full_shapes``: name -> FULL shape), each computed alone."""
 
     def read(name: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
         if name not in rules:
             raise ValueError(f"parameter {name} has no init rule (use common.init.set_init)")
-        if name not in cache:
-            cache.clear()  # one full parameter at a time
-            gen = torch.Generator(device="cpu").manual_seed(_param_seed(seed, name))
-            cache[name] = rules[name](torch.Size(full_shapes[name]), gen)
-        return _narrow(cache[name], offsets, sizes)
+        return rules[name](param_key(seed, name), tuple(full_shapes[name]), offsets, sizes)
 
     return read
 

@@ -1,0 +1,35 @@
+"""Which SDE-window settings can work together (docs/algorithms.md §8): checked when the config loads, before
+any heavy work, and again by the step engine that places the window (:mod:`leangrpo_mcore.diffusion.window`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+WINDOW_SCHEDULES = ("fixed", "random", "progressive")
+
+
+def window_error(*, size: int, low: int, high: int, schedule: str, stride: int, shift_every: int,
+                 ode_steps_after: Optional[int], ode_solver: str, num_steps: int) -> Optional[str]:
+    """The one-line reason the window settings cannot work, naming the key, or None."""
+    if schedule not in WINDOW_SCHEDULES:
+        return f"sampler.sde_window_schedule={schedule!r}; valid: {', '.join(WINDOW_SCHEDULES)}"
+    if stride < 1 or shift_every < 1:
+        key, value = ("sampler.window_stride", stride) if stride < 1 else ("sampler.window_shift_every", shift_every)
+        return f"{key}={value}: the progressive window needs a value >= 1"
+    if ode_steps_after is not None and ode_steps_after < 0:
+        return f"sampler.ode_steps_after_window={ode_steps_after}: needs a value >= 0 (0 or null: no compression)"
+    if size == 0:
+        for key, value, default in (("sampler.sde_window_schedule", schedule, "random"),
+                                    ("sampler.ode_solver", ode_solver, "euler"),
+                                    ("sampler.ode_steps_after_window", ode_steps_after or 0, 0)):
+            if value != default:
+                return (f"{key}={value} needs an SDE window (sampler.sde_window_size >= 1): without one every "
+                        f"step is an SDE step")
+        return None
+    if not 0 <= low < high or low + size > num_steps:
+        return (f"sampler.sde_window_range={[low, high]}: the window of {size} steps must start in [low, high) "
+                f"with 0 <= low < high and fit the {num_steps} steps")
+    if ode_steps_after and schedule == "random":
+        return ("sampler.ode_steps_after_window needs a shared window (sampler.sde_window_schedule=fixed or "
+                "progressive): a random window per prompt group would give the groups different step counts")
+    return None

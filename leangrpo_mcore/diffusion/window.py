@@ -1,0 +1,100 @@
+"""Where the SDE window sits, and MixGRPO-Flash's compression of the ODE steps after it (docs/algorithms.md §8).
+
+Three window schedules (``sampler.sde_window_schedule``), all of ``size`` consecutive SDE steps whose start lies
+in ``[low, high)`` (``sampler.sde_window_range``):
+
+- ``random`` (FlowGRPO-Fast): a start drawn per prompt group by :func:`leangrpo_mcore.diffusion.selection.select_steps`.
+- ``fixed``: every rollout starts at ``low``.
+- ``progressive`` (MixGRPO): the start sweeps ``low, low + stride, …`` (the last one below ``high``), moving one
+  position every ``shift_every`` optimizer steps, and wraps back to ``low`` after the last one, as MixGRPO's
+  progressive strategy rolls back to its first step.
+
+A shared window (fixed, progressive) is a pure function of the optimizer steps taken before the rollout, which
+the step number of the checkpointed trainer state gives: a resumed run continues at the same position.
+
+Compression (``sampler.ode_steps_after_window = K``): the steps after the window, from σ_e (e = the window's end)
+to σ_T = 0, are replaced by K ODE steps over grid points of the schedule itself, σ at indices
+``e + round(j·(T − e)/K)`` for j = 0 … K (MixGRPO-Flash re-spaces the remainder in its time grid; picking
+points of the schedule keeps this independent of the schedule's formula).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from leangrpo_mcore.config.window_rules import WINDOW_SCHEDULES, window_error
+from leangrpo_mcore.errors import UserError
+
+__all__ = ["SDEWindow", "WINDOW_SCHEDULES", "window_error", "optimizer_steps_before", "compressed_indices",
+           "compress_after_window"]
+
+
+@dataclass(frozen=True)
+class SDEWindow:
+    """The SDE window settings of a run (``sampler.sde_window_*``, ``sampler.window_*``)."""
+
+    size: int
+    """Consecutive SDE steps (0: no window, SDE on every step)."""
+    low: int = 0
+    """Lowest start step."""
+    high: int = 1
+    """One past the highest start step."""
+    schedule: str = "random"
+    """One of ``WINDOW_SCHEDULES``."""
+    stride: int = 1
+    """Progressive: steps the start moves at each shift."""
+    shift_every: int = 1
+    """Progressive: optimizer steps between two shifts."""
+    ode_steps_after: int = 0
+    """MixGRPO-Flash: ODE steps for the remainder after the window (0: no compression)."""
+
+    @property
+    def shared(self) -> bool:
+        """Whether every rollout of an optimizer step has the same window (fixed, progressive)."""
+        return self.size > 0 and self.schedule != "random"
+
+    def positions(self) -> list[int]:
+        """The starts a progressive window visits in order: ``low, low + stride, …`` below ``high``."""
+        return list(range(self.low, self.high, self.stride))
+
+    def start(self, optimizer_steps: int) -> Optional[int]:
+        """The window's start for a rollout after ``optimizer_steps`` optimizer steps; None for a random one
+        (drawn per prompt group) or no window."""
+        if not self.shared:
+            return None
+        if self.schedule == "fixed":
+            return self.low
+        positions = self.positions()
+        return positions[(max(optimizer_steps, 0) // self.shift_every) % len(positions)]
+
+    def check(self, num_steps: int, ode_solver: str = "euler") -> None:
+        """One-line UserError naming the key of any setting that cannot work with ``num_steps`` steps."""
+        error = window_error(size=self.size, low=self.low, high=self.high, schedule=self.schedule,
+                             stride=self.stride, shift_every=self.shift_every, ode_steps_after=self.ode_steps_after,
+                             ode_solver=ode_solver, num_steps=num_steps)
+        if error is not None:
+            raise UserError(error)
+
+
+def optimizer_steps_before(step: int, updates_per_rollout: int) -> int:
+    """Optimizer steps taken before the rollout of training step ``step`` (steps count from 1; 0 for step 0)."""
+    return max(step - 1, 0) * updates_per_rollout
+
+
+def compressed_indices(num_steps: int, window_end: int, ode_steps: int) -> list[int]:
+    """Indices into the (T+1,) sigmas of the compressed schedule: 0 … e, then K steps to T (module docstring);
+    the whole schedule when there is nothing to compress."""
+    remaining = num_steps - window_end
+    if not ode_steps or ode_steps >= remaining:
+        return list(range(num_steps + 1))
+    # round(j·R/K) with halves rounded up, in integers; K < R makes the indices strictly increasing
+    tail = [window_end + (2 * j * remaining + ode_steps) // (2 * ode_steps) for j in range(1, ode_steps + 1)]
+    return list(range(window_end + 1)) + tail
+
+
+def compress_after_window(sigmas: torch.Tensor, window_end: int, ode_steps: int) -> torch.Tensor:
+    """The (T'+1,) float32 sigmas with the steps after ``window_end`` compressed to ``ode_steps`` ODE steps."""
+    return sigmas[compressed_indices(sigmas.numel() - 1, window_end, ode_steps)]
