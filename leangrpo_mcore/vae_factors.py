@@ -1,6 +1,6 @@
 """How many pixels one latent pixel of a policy's VAE covers (no torch: the planner reads it too).
 
-FLUX.1's ``AutoencoderKL`` and Wan2.1's ``AutoencoderKLWan`` (16 latent channels) compress 8x per side;
+FLUX.1's and SD3's ``AutoencoderKL`` and Wan2.1's ``AutoencoderKLWan`` (16 latent channels) compress 8x per side;
 Wan2.2's ``AutoencoderKLWan`` (48 latent channels, a 2x2 pixel patch before its three down-samplings)
 compresses 16x. The trainer's latent grid, its decoder and the planner's token count all take the factor from
 :func:`spatial_factor`.
@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 FLUX_SPATIAL_FACTOR = 8
+SD3_SPATIAL_FACTOR = 8
+# SD3 / SD3.5's 16-channel AutoencoderKL normalises latents as (z - shift) * scaling (its vae/config.json).
+SD3_SCALING_FACTOR = 1.5305
+SD3_SHIFT_FACTOR = 0.0609
 WAN21_SPATIAL_FACTOR = 8
 WAN22_SPATIAL_FACTOR = 16
 WAN22_LATENT_CHANNELS = 48
@@ -25,7 +29,7 @@ def wan_spatial_factor(in_channels: int, explicit: int | None = None) -> int:
 
 
 def spatial_factor(family: str, config: Mapping[str, Any]) -> int:
-    """The VAE spatial factor of a ``flux`` or ``wan`` policy of diffusers-style hyper-parameters ``config``."""
+    """The VAE spatial factor of a ``flux``, ``sd3`` or ``wan`` policy of diffusers-style hyper-parameters ``config``."""
     if family == "wan":
         return wan_spatial_factor(config["in_channels"], config.get("vae_scale_factor_spatial"))
-    return FLUX_SPATIAL_FACTOR
+    return SD3_SPATIAL_FACTOR if family == "sd3" else FLUX_SPATIAL_FACTOR

@@ -1,6 +1,6 @@
 """Fit the planner's activation-memory constants to measured saved-tensor bytes of real policy forwards.
 
-For each family (FLUX, Wan), compute dtype (fp32, bf16), activation checkpointing (off, on) and training mode (full
+For each family (FLUX, SD3, Wan), compute dtype (fp32, bf16), activation checkpointing (off, on) and training mode (full
 fine-tuning; LoRA on the default targets, base frozen) this builds small policies with
 ``leangrpo_mcore.models.build_policy`` over a grid of widths, heads, MLP widths, depths and token counts, at tensor
 parallelism 1 and 2 (TP=2 on a fake process group in this one process: collectives move nothing, the shapes every
@@ -33,7 +33,7 @@ from leangrpo_mcore.planner.activations import activation_features, fit_key
 from leangrpo_mcore.planner.arch_specs import DEFAULT_LORA_TARGETS, arch_from_config
 from leangrpo_mcore.planner.simulate import fake_world
 
-FIT_MODULE = os.path.join(os.path.dirname(__file__), "..", "leangrpo_mcore", "parallel", "activation_fit.py")
+FIT_MODULE = os.path.join(os.path.dirname(__file__), "..", "leangrpo_mcore", "planner", "activation_fit.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TP_SIZES = (1, 2)
 LORA_RANKS = (4, 8)
@@ -82,6 +82,33 @@ def wan_cases() -> list[tuple[dict, tuple[int, int, int], int]]:
     return cases
 
 
+def sd3_cases() -> list[tuple[dict, int, int]]:
+    """(diffusers config, image tokens, text tokens) of the SD3 grid: MMDiT-X blocks first, then plain joint blocks,
+    then the context-pre-only last block (SD3.5-M's order); every case has blocks of all three kinds."""
+    cases = []
+    for (layers, dual), heads, hd, side, txt, jd in itertools.product(
+            [(3, 1), (4, 1), (4, 2)], [2, 4], [16, 32], [4, 8], [8, 16], [32, 64]):
+        config = {"sample_size": 8, "patch_size": 2, "in_channels": 16, "num_layers": layers, "attention_head_dim": hd,
+                  "num_attention_heads": heads, "joint_attention_dim": jd, "caption_projection_dim": heads * hd,
+                  "pooled_projection_dim": 24, "out_channels": 16, "pos_embed_max_size": 16,
+                  "dual_attention_layers": list(range(dual)), "qk_norm": "rms_norm"}
+        cases.append((config, side * side, txt))
+    return cases
+
+
+def _sd3_sample(config: dict, image: int, text: int, dtype: torch.dtype) -> Callable:
+    gen = torch.Generator().manual_seed(0)
+    side = 2 * int(image ** 0.5)  # latent pixels per side: 2x2 patches
+    x = torch.randn(1, config["in_channels"], side, side, generator=gen).to(dtype)
+    ctx = torch.randn(1, text, config["joint_attention_dim"], generator=gen).to(dtype)
+    pooled = torch.randn(1, config["pooled_projection_dim"], generator=gen).to(dtype)
+
+    def run(model: torch.nn.Module) -> torch.Tensor:
+        return model(x, ctx, pooled, torch.full((1,), 500.0, dtype=dtype))
+
+    return run
+
+
 def _flux_sample(config: dict, image: int, text: int, dtype: torch.dtype) -> Callable:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, image, config["in_channels"], generator=gen).to(dtype)
@@ -128,8 +155,9 @@ def build_case(family: str, config: dict, dtype: torch.dtype, checkpointing: boo
 def collect(family: str, dtype: torch.dtype, checkpointing: bool, lora: bool) -> tuple[list[dict], list[int]]:
     """Features and measured saved bytes of every grid case of ``family`` at every TP size."""
     rows, measured = [], []
-    if family == "flux":
-        cases = [(c, _flux_sample(c, i, t, dtype), {"image": i, "text": t}) for c, i, t in flux_cases()]
+    if family in ("flux", "sd3"):
+        grid, sample = (flux_cases, _flux_sample) if family == "flux" else (sd3_cases, _sd3_sample)
+        cases = [(c, sample(c, i, t, dtype), {"image": i, "text": t}) for c, i, t in grid()]
     else:
         cases = [(c, _wan_sample(c, lat, t, dtype), {"image": lat[0] * lat[1] * lat[2] // 4, "text": t})
                  for c, lat, t in wan_cases()]
@@ -178,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     """Measure, fit, print; with ``--write`` regenerate the constants module."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="regenerate leangrpo_mcore/planner/activation_fit.py")
-    parser.add_argument("--family", choices=("flux", "wan"), action="append", help="only these families")
+    parser.add_argument("--family", choices=("flux", "sd3", "wan"), action="append", help="only these families")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     fits = {}
-    for family in args.family or ["flux", "wan"]:
+    for family in args.family or ["flux", "sd3", "wan"]:
         for dtype_name, checkpointing, lora in itertools.product(DTYPES, (False, True), (False, True)):
             rows, measured = collect(family, DTYPES[dtype_name], checkpointing, lora)
             key = fit_key(family, torch.tensor([], dtype=DTYPES[dtype_name]).element_size(), checkpointing, lora)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from leangrpo_mcore.cli.common import run_main
 from leangrpo_mcore.data.conditioning import FAMILIES, T5_MAX_LENGTH, HashedTextEncoder, TextDims, TextEncoder
+from leangrpo_mcore.data.text_encoder import POOLED_FAMILIES
 from leangrpo_mcore.data.embedding_cache import write_embedding_cache
 from leangrpo_mcore.data.prompts import PromptDataset
 from leangrpo_mcore.errors import UserError
@@ -36,9 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--encoder", choices=("diffusers", "hashed"), default="diffusers", help="embedder to run")
     parser.add_argument("--text-encoder-path", help="diffusers pipeline directory (for --encoder diffusers)")
     parser.add_argument("--text-dim", type=int, help="token width D (for --encoder hashed)")
-    parser.add_argument("--pooled-dim", type=int, help="pooled width P (for --encoder hashed, flux)")
-    parser.add_argument("--max-length", type=int, default=T5_MAX_LENGTH, help="tokens per prompt (T5/UMT5)")
-    parser.add_argument("--negative-prompt", default=None, help="also cache this negative prompt (Wan CFG)")
+    parser.add_argument("--pooled-dim", type=int, help="pooled width P (for --encoder hashed, flux, sd3)")
+    parser.add_argument("--max-length", type=int, default=T5_MAX_LENGTH, help="tokens per prompt (T5/UMT5; SD3: 77 CLIP + T5's)")
+    parser.add_argument("--negative-prompt", default=None, help="also cache this negative prompt (Wan, SD3 CFG)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="storage dtype")
     parser.add_argument("--device", default="cpu", help="device of the text encoders")
     parser.add_argument("--shard-size", type=int, default=256, help="prompts per safetensors shard")
@@ -49,9 +50,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _encoder(args: argparse.Namespace) -> TextEncoder:
     if args.encoder == "hashed":
-        if args.text_dim is None or (args.family == "flux" and args.pooled_dim is None):
-            raise UserError("--encoder hashed needs --text-dim (and --pooled-dim for flux)")
-        pooled = args.pooled_dim if args.family == "flux" else None
+        if args.text_dim is None or (args.family in POOLED_FAMILIES and args.pooled_dim is None):
+            raise UserError("--encoder hashed needs --text-dim (and --pooled-dim for flux and sd3)")
+        pooled = args.pooled_dim if args.family in POOLED_FAMILIES else None
         return HashedTextEncoder(args.family, TextDims(args.text_dim, pooled, args.max_length), seed=args.seed)
     if not args.text_encoder_path:
         raise UserError("--encoder diffusers needs --text-encoder-path")

@@ -272,9 +272,12 @@ def _load_average() -> Optional[list[float]]:
 
 
 def _tokens(family: str, latent_shape: tuple[int, ...], policy: torch.nn.Module) -> int:
-    """Image tokens the policy attends over: FLUX packed tokens, Wan latent patches."""
+    """Image tokens the policy attends over: FLUX packed tokens, SD3 and Wan latent patches."""
     if family == "flux":
         return int(latent_shape[0])
+    if family == "sd3":
+        patch = policy.config.patch_size
+        return (int(latent_shape[1]) // patch) * (int(latent_shape[2]) // patch)
     patch = policy.config.to_diffusers_config()["patch_size"]
     return math.prod(int(n) // int(p) for n, p in zip(latent_shape[1:], patch))
 

@@ -33,7 +33,8 @@ WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_
                   "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp", "pp",
                   "reshard_after_forward")
 RESHARD_FLAG = {"auto": "auto", "true": True, "false": False, "rollout": "rollout"}
-DEFAULT_CFG_SCALE = {"flux": 1.0, "wan": 5.0}  # FLUX.1-dev is guidance-distilled; Wan samples with CFG 5
+# FLUX.1-dev is guidance-distilled; Wan samples with CFG 5, SD3.5-M with FlowGRPO's 4.5
+DEFAULT_CFG_SCALE = {"flux": 1.0, "sd3": 4.5, "wan": 5.0}
 MAX_TABLE_RANKS = 64
 
 

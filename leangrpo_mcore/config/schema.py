@@ -43,8 +43,8 @@ class SamplerConfig:
     frames: int = option(1, ge=1)
     """Video frames in pixel space (1 for images)."""
     negative_prompt: str = ""
-    """Prompt of the unconditional branch of classifier-free guidance (Wan), used when cfg_scale > 1 (a precomputed
-    text-embedding cache must hold it)."""
+    """Prompt of the unconditional branch of classifier-free guidance (Wan, SD3), used when cfg_scale > 1 (a
+    precomputed text-embedding cache must hold it)."""
     same_latent: bool = False
     """Share the initial noise within a prompt group (SDE noise always differs per generation)."""
     sde_window_size: int = option(0, ge=0)
@@ -147,9 +147,9 @@ class LoRAConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy (FLUX or Wan) and its conditioning models."""
+    """The policy (FLUX, SD3 or Wan) and its conditioning models."""
 
-    family: str = option("flux", choices=("flux", "wan"))
+    family: str = option("flux", choices=("flux", "sd3", "wan"))
     """Policy architecture family."""
     path: Optional[str] = None
     """A diffusers transformer directory or a leangrpo_mcore checkpoint; null builds from `preset` + `arch`."""
@@ -182,8 +182,9 @@ class ModelConfig:
     text_encoder_path: Optional[str] = None
     """diffusers pipeline directory holding the text encoders, or the precomputed embedding cache."""
     text_max_length: int = option(512, ge=1)
-    """Text tokens per prompt of the diffusers and precomputed text encoders (T5 / UMT5: 512; a precomputed cache
-    must have been written with the same length); the hashed CPU encoder always uses 16."""
+    """Text tokens per prompt of the diffusers and precomputed text encoders (T5 / UMT5: 512; SD3: CLIP's 77 plus
+    T5's, FlowGRPO's 77 + 128; a precomputed cache must have been written with the same length); the hashed CPU
+    encoder always uses 16."""
     vae: str = option("tiny", choices=("tiny", "diffusers"))
     """Latent decoder: tiny random VAE for CPU runs, or diffusers weights from `vae_path`."""
     vae_path: Optional[str] = None

@@ -2,7 +2,10 @@
 
 FLUX (diffusers ``FluxPipeline``): CLIP ``text_encoder`` + ``tokenizer`` give the pooled vector (pooler output,
 77 tokens) and T5 ``text_encoder_2`` + ``tokenizer_2`` the token states (512 tokens, no attention mask, as the
-pipeline calls it). Wan (``WanPipeline``): UMT5 ``text_encoder`` + ``tokenizer`` with the attention mask, and the
+pipeline calls it). SD3 (``StableDiffusion3Pipeline.encode_prompt``): the penultimate hidden states of CLIP-L
+(``text_encoder``) and CLIP-G (``text_encoder_2``, both ``CLIPTextModelWithProjection``, 77 tokens) side by
+side, zero-padded to T5's width and followed along the tokens by T5 ``text_encoder_3``'s states; the pooled
+vector is both CLIPs' projected outputs side by side. Wan (``WanPipeline``): UMT5 ``text_encoder`` + ``tokenizer`` with the attention mask, and the
 states after each prompt's last real token set to zero. Nothing is ever downloaded (``local_files_only``).
 """
 
@@ -22,6 +25,7 @@ from leangrpo_mcore.errors import UserError, require_extra
 CLIP_MAX_LENGTH = 77
 _SUBFOLDERS = {
     "flux": ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
+    "sd3": ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "tokenizer_3", "text_encoder_3"),
     "wan": ("tokenizer", "text_encoder"),
 }
 
@@ -52,8 +56,12 @@ def _config_value(path: Path, key: str) -> int:
 
 
 def pipeline_text_dims(path: str | Path, family: str, *, max_length: int = T5_MAX_LENGTH) -> TextDims:
-    """The dims a pipeline's encoders produce: T5/UMT5 ``d_model`` and, for FLUX, CLIP's ``hidden_size``."""
+    """The dims a pipeline's encoders produce: T5/UMT5 ``d_model`` and, for FLUX, CLIP's ``hidden_size`` (SD3:
+    the sum of both CLIPs' ``projection_dim``, and ``max_length`` counts CLIP's 77 tokens too)."""
     root = Path(path)
+    if family == "sd3":
+        pooled = sum(_config_value(root / name, "projection_dim") for name in ("text_encoder", "text_encoder_2"))
+        return TextDims(_config_value(root / "text_encoder_3", "d_model"), pooled, max_length)
     if family == "flux":
         return TextDims(
             _config_value(root / "text_encoder_2", "d_model"), _config_value(root / "text_encoder", "hidden_size"),
@@ -63,7 +71,7 @@ def pipeline_text_dims(path: str | Path, family: str, *, max_length: int = T5_MA
 
 
 class DiffusersTextEncoder(TextEncoder):
-    """The text encoders of a diffusers FLUX or Wan pipeline directory, frozen, in eval mode."""
+    """The text encoders of a diffusers FLUX, SD3 or Wan pipeline directory, frozen, in eval mode."""
 
     def __init__(
         self,
@@ -97,10 +105,24 @@ class DiffusersTextEncoder(TextEncoder):
             self.text_encoder = self._load_model(CLIPTextModel, "text_encoder", dtype)
             self.tokenizer_2 = self._load_tokenizer("tokenizer_2")
             self.text_encoder_2 = self._load_model(T5EncoderModel, "text_encoder_2", dtype)
+        elif family == "sd3":
+            self._load_sd3(dtype)
         else:
             from transformers import UMT5EncoderModel
 
             self.text_encoder = self._load_model(UMT5EncoderModel, "text_encoder", dtype)
+
+    def _load_sd3(self, dtype: torch.dtype) -> None:
+        from transformers import CLIPTextModelWithProjection, T5EncoderModel
+
+        if self.dims.max_length <= CLIP_MAX_LENGTH:
+            raise UserError(f"SD3's text tokens are CLIP's {CLIP_MAX_LENGTH} followed by T5's: model.text_max_length "
+                            f"must exceed {CLIP_MAX_LENGTH}, got {self.dims.max_length}")
+        self.text_encoder = self._load_model(CLIPTextModelWithProjection, "text_encoder", dtype)
+        self.tokenizer_2 = self._load_tokenizer("tokenizer_2")
+        self.text_encoder_2 = self._load_model(CLIPTextModelWithProjection, "text_encoder_2", dtype)
+        self.tokenizer_3 = self._load_tokenizer("tokenizer_3")
+        self.text_encoder_3 = self._load_model(T5EncoderModel, "text_encoder_3", dtype)
 
     def _load_tokenizer(self, name: str) -> Any:
         from transformers import AutoTokenizer
@@ -131,6 +153,22 @@ class DiffusersTextEncoder(TextEncoder):
         tokens = self.text_encoder_2(t5_ids, output_hidden_states=False)[0]
         return tokens.float(), pooled.float()
 
+    def _clip(self, tokenizer: Any, encoder: torch.nn.Module, prompts: list[str]):
+        ids = self._tokenize(tokenizer, prompts, CLIP_MAX_LENGTH).input_ids.to(self.device)
+        out = encoder(ids, output_hidden_states=True)
+        return out.hidden_states[-2].float(), out[0].float()  # penultimate layer, projected pooled output
+
+    @torch.no_grad()
+    def _embed_sd3(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        clip_l, pooled_l = self._clip(self.tokenizer, self.text_encoder, prompts)
+        clip_g, pooled_g = self._clip(self.tokenizer_2, self.text_encoder_2, prompts)
+        t5_length = self.dims.max_length - CLIP_MAX_LENGTH
+        t5_ids = self._tokenize(self.tokenizer_3, prompts, t5_length).input_ids.to(self.device)
+        t5 = self.text_encoder_3(t5_ids)[0].float()
+        clip = torch.cat([clip_l, clip_g], dim=-1)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2), torch.cat([pooled_l, pooled_g], dim=-1)
+
     @torch.no_grad()
     def _embed_wan(self, prompts: list[str]) -> torch.Tensor:
         inputs = self._tokenize(self.tokenizer, [clean_wan_prompt(p) for p in prompts], self.dims.max_length)
@@ -141,12 +179,13 @@ class DiffusersTextEncoder(TextEncoder):
         return hidden * mask.unsqueeze(-1).to(hidden.dtype)
 
     def embed(self, prompts: list[str]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Tokens (B, L, D) and, for FLUX, pooled (B, P); float32 on the encoders' device."""
+        """Tokens (B, L, D) and, for FLUX and SD3, pooled (B, P); float32 on the encoders' device."""
         tokens, pooled = [], []
         for start in range(0, len(prompts), self.batch_size):
             chunk = prompts[start:start + self.batch_size]
-            if self.family == "flux":
-                chunk_tokens, chunk_pooled = self._embed_flux(chunk)
+            if self.family in ("flux", "sd3"):
+                embed = self._embed_flux if self.family == "flux" else self._embed_sd3
+                chunk_tokens, chunk_pooled = embed(chunk)
                 pooled.append(chunk_pooled)
             else:
                 chunk_tokens = self._embed_wan(chunk)

@@ -16,7 +16,9 @@ import torch
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.errors import UserError
 
-FAMILIES = ("flux", "wan")
+FAMILIES = ("flux", "sd3", "wan")
+POOLED_FAMILIES = ("flux", "sd3")
+"""Families whose policy also reads a pooled text embedding (CLIP)."""
 # T5 (FLUX) and UMT5 (Wan) token budgets of the released pipelines; CLIP's is fixed at 77.
 T5_MAX_LENGTH = 512
 
@@ -33,11 +35,11 @@ class TextDims:
     """The text-embedding shapes a policy consumes."""
 
     text_dim: int
-    """D of encoder_hidden_states (FLUX joint_attention_dim, Wan text_dim)."""
+    """D of encoder_hidden_states (FLUX and SD3 joint_attention_dim, Wan text_dim)."""
     pooled_dim: Optional[int] = None
-    """P of pooled_projections (FLUX pooled_projection_dim); None for Wan."""
+    """P of pooled_projections (FLUX and SD3 pooled_projection_dim); None for Wan."""
     max_length: int = T5_MAX_LENGTH
-    """L, the fixed token count of encoder_hidden_states."""
+    """L, the fixed token count of encoder_hidden_states (SD3: CLIP's 77 tokens followed by T5's L - 77)."""
 
     def __post_init__(self) -> None:
         if self.text_dim < 1 or self.max_length < 1 or (self.pooled_dim is not None and self.pooled_dim < 1):
@@ -47,14 +49,14 @@ class TextDims:
     def for_policy(
         cls, family: str, diffusers_config: Mapping[str, Any], *, max_length: int = T5_MAX_LENGTH
     ) -> TextDims:
-        """Read the dims from a policy's diffusers-style config (FLUX: joint_attention_dim and
+        """Read the dims from a policy's diffusers-style config (FLUX, SD3: joint_attention_dim and
         pooled_projection_dim; Wan: text_dim)."""
-        key = {"flux": "joint_attention_dim", "wan": "text_dim"}[check_family(family)]
+        key = {"flux": "joint_attention_dim", "sd3": "joint_attention_dim", "wan": "text_dim"}[check_family(family)]
         if key not in diffusers_config:
             raise UserError(f"{family} policy config lacks {key!r}, needed for its text conditioning")
-        pooled = diffusers_config.get("pooled_projection_dim") if family == "flux" else None
-        if family == "flux" and pooled is None:
-            raise UserError("flux policy config lacks 'pooled_projection_dim', needed for its text conditioning")
+        pooled = diffusers_config.get("pooled_projection_dim") if family in POOLED_FAMILIES else None
+        if family in POOLED_FAMILIES and pooled is None:
+            raise UserError(f"{family} policy config lacks 'pooled_projection_dim', needed for its text conditioning")
         return cls(int(diffusers_config[key]), None if pooled is None else int(pooled), max_length)
 
 
@@ -67,11 +69,11 @@ class TextEncoder(ABC):
         """``negative_prompt`` (e.g. "" for Wan's CFG) adds negative tokens; ``guidance`` fills the (B,) field."""
         self.family = check_family(family)
         self.dims = dims
-        if family == "flux" and dims.pooled_dim is None:
-            raise ValueError("flux conditioning needs dims.pooled_dim (the CLIP pooled width)")
+        if family in POOLED_FAMILIES and dims.pooled_dim is None:
+            raise ValueError(f"{family} conditioning needs dims.pooled_dim (the CLIP pooled width)")
         self.negative_prompt = negative_prompt
         self.guidance = guidance
-        self._negative: Optional[torch.Tensor] = None
+        self._negative: Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]] = None
 
     @abstractmethod
     def embed(self, prompts: list[str]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -88,17 +90,30 @@ class TextEncoder(ABC):
         self._check_shapes(tokens, pooled)
         batch = len(prompts)
         guidance = None if self.guidance is None else torch.full((batch,), float(self.guidance), device=tokens.device)
-        negative = None
+        negative = negative_pooled = None
         if self.negative_prompt is not None:
-            if self._negative is None:
-                self._negative = self.embed([self.negative_prompt])[0].float()
-            negative = self._negative.expand(batch, -1, -1).clone()
+            negative, negative_pooled = self.negative_embedding(batch)
         return Conditioning(
             encoder_hidden_states=tokens,
             pooled_projections=None if pooled is None else pooled.index_select(0, index).float(),
             negative_encoder_hidden_states=negative,
             guidance=guidance,
+            # Wan's CFG reads the negative tokens only; SD3's reads the negative pooled vector too.
+            negative_pooled_projections=negative_pooled if self.family == "sd3" else None,
         )
+
+    def negative_embedding(self, batch: int, prompt: Optional[str] = None) -> tuple[torch.Tensor,
+                                                                                    Optional[torch.Tensor]]:
+        """Tokens (batch, L, D) and pooled (batch, P) or None of a negative prompt (default: the configured one),
+        float32; the last one embedded is cached."""
+        prompt = self.negative_prompt if prompt is None else prompt
+        if prompt is None:
+            raise ValueError("no negative prompt configured")
+        if self._negative is None or self._negative[0] != prompt:
+            tokens, pooled = self.embed([prompt])
+            self._negative = (prompt, tokens.float(), None if pooled is None else pooled.float())
+        _, tokens, pooled = self._negative
+        return tokens.expand(batch, -1, -1).clone(), None if pooled is None else pooled.expand(batch, -1).clone()
 
     __call__ = encode
 
@@ -107,6 +122,6 @@ class TextEncoder(ABC):
         if tuple(tokens.shape[1:]) != expected:
             got = tuple(tokens.shape[1:])
             raise UserError(f"text encoder produced tokens of shape {got}, policy needs {expected}")
-        if self.family == "flux" and (pooled is None or pooled.shape[1] != self.dims.pooled_dim):
+        if self.family in POOLED_FAMILIES and (pooled is None or pooled.shape[1] != self.dims.pooled_dim):
             got = None if pooled is None else pooled.shape[1]
             raise UserError(f"text encoder produced pooled width {got}, policy needs {self.dims.pooled_dim}")

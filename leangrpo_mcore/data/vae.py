@@ -2,7 +2,9 @@
 
 FLUX samples packed latents (B, (h/2)·(w/2), C·4): 2×2 latent patches flattened into tokens, with h = H/f and
 w = W/f the VAE latent size (FluxPipeline ``_pack_latents``). Its ``AutoencoderKL`` decodes
-``z / scaling_factor + shift_factor``. Wan samples video latents (B, C, F', h, w) with F' = (F − 1)/4 + 1; its
+``z / scaling_factor + shift_factor``. SD3 samples unpacked latents (B, C, h, w) (its transformer patches them
+itself) through an ``AutoencoderKL`` with the same normalisation (SD3.5's factors: scaling 1.5305, shift
+0.0609). Wan samples video latents (B, C, F', h, w) with F' = (F − 1)/4 + 1; its
 ``AutoencoderKLWan`` decodes ``z · latents_std + latents_mean`` (per channel). f is the VAE's spatial factor
 (:mod:`leangrpo_mcore.vae_factors`): 8 for FLUX and Wan2.1, 16 for Wan2.2's 48-channel VAE, which patches 2×2
 pixels before its three down-samplings. Decoded pixels in [−1, 1] are mapped to [0, 1] as diffusers' image
@@ -25,15 +27,17 @@ import torch
 from leangrpo_mcore.diffusion.velocity import pack_flux_latents, unpack_flux_latents
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore import vae_factors
-from leangrpo_mcore.vae_factors import FLUX_SPATIAL_FACTOR, WAN21_SPATIAL_FACTOR, WAN22_SPATIAL_FACTOR
+from leangrpo_mcore.vae_factors import (FLUX_SPATIAL_FACTOR, SD3_SCALING_FACTOR, SD3_SHIFT_FACTOR, WAN21_SPATIAL_FACTOR,
+                                        WAN22_SPATIAL_FACTOR)
 
-FAMILIES = ("flux", "wan")
+FAMILIES = ("flux", "sd3", "wan")
 VAE_KINDS = ("tiny", "diffusers")
 WAN_TEMPORAL_FACTOR = 4
 # FLUX.1's AutoencoderKL normalisation (the released vae/config.json).
 FLUX_SCALING_FACTOR = 0.3611
 FLUX_SHIFT_FACTOR = 0.1159
-_CLASS_NAMES = {"flux": "AutoencoderKL", "wan": "AutoencoderKLWan"}
+_CLASS_NAMES = {"flux": "AutoencoderKL", "sd3": "AutoencoderKL", "wan": "AutoencoderKLWan"}
+_IMAGE_FAMILIES = ("flux", "sd3")
 
 
 def _check_family(family: str) -> None:
@@ -45,7 +49,8 @@ def latent_shape(
     family: str, height: int, width: int, frames: int = 1, channels: int = 16, *,
     spatial_factor: Optional[int] = None,
 ) -> tuple[int, ...]:
-    """Per-sample latent shape the policy samples: FLUX packed (tokens, C·4); Wan (C, F', H/f, W/f).
+    """Per-sample latent shape the policy samples: FLUX packed (tokens, C·4); SD3 (C, H/f, W/f); Wan
+    (C, F', H/f, W/f).
 
     ``spatial_factor`` is the VAE's spatial factor f (None: the family's VAE for ``channels`` latent channels,
     see :func:`leangrpo_mcore.vae_factors.spatial_factor`). Height and width must be multiples of 2·f (the 2×2
@@ -64,6 +69,10 @@ def latent_shape(
         if frames != 1:
             raise ValueError(f"flux generates images: frames must be 1, got {frames}")
         return ((h // 2) * (w // 2), channels * 4)
+    if family == "sd3":
+        if frames != 1:
+            raise ValueError(f"sd3 generates images: frames must be 1, got {frames}")
+        return (channels, h, w)
     if frames < 1 or (frames - 1) % WAN_TEMPORAL_FACTOR:
         raise ValueError(f"wan frames must be {WAN_TEMPORAL_FACTOR}k + 1, got {frames}")
     return (channels, (frames - 1) // WAN_TEMPORAL_FACTOR + 1, h, w)
@@ -113,7 +122,7 @@ class LatentDecoder:
         self.family = family
         self.batch_size = batch_size
         config = vae.config
-        self.latent_channels = int(config.latent_channels if family == "flux" else config.z_dim)
+        self.latent_channels = int(config.latent_channels if family in _IMAGE_FAMILIES else config.z_dim)
         self.spatial_factor = _vae_spatial_factor(config, family)  # pixels per latent pixel, per side
         if family == "wan":
             view = (1, self.latent_channels, 1, 1, 1)
@@ -136,7 +145,7 @@ class LatentDecoder:
     def _to_vae(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalised policy latents (fp32) -> the VAE's latent space, in the VAE dtype."""
         latents = latents.float()
-        if self.family == "flux":
+        if self.family in _IMAGE_FAMILIES:
             latents = latents / float(self.vae.config.scaling_factor) + float(self.vae.config.shift_factor or 0.0)
         else:
             latents = latents * self._std.to(latents.device) + self._mean.to(latents.device)
@@ -152,14 +161,14 @@ class LatentDecoder:
             if height is None or width is None:
                 raise ValueError("decoding FLUX latents needs the image height and width")
             latents = unpack_latents(latents, height, width, self.spatial_factor)
-        expected_ndim = 4 if self.family == "flux" else 5
+        expected_ndim = 4 if self.family in _IMAGE_FAMILIES else 5
         if latents.ndim != expected_ndim or latents.shape[1] != self.latent_channels:
             raise ValueError(
                 f"{self.family} VAE expects {self.latent_channels}-channel latents of rank {expected_ndim}, "
                 f"got {tuple(latents.shape)}"
             )
         pixels = torch.cat([to_unit_range(self.vae.decode(self._to_vae(c)).sample) for c in self._chunks(latents)])
-        if self.family == "flux":
+        if self.family in _IMAGE_FAMILIES:
             return DecodedImages(images=pixels)
         return DecodedImages(images=pixels[:, :, 0], video=pixels)
 
@@ -171,15 +180,16 @@ class LatentDecoder:
             images = images.unsqueeze(2)
         pixels = (images.float() * 2 - 1).to(self.device, self.dtype)
         latents = torch.cat([self.vae.encode(c).latent_dist.mode().float() for c in self._chunks(pixels)])
-        if self.family == "flux":
+        if self.family in _IMAGE_FAMILIES:
             shift = float(self.vae.config.shift_factor or 0.0)
-            return pack_latents((latents - shift) * float(self.vae.config.scaling_factor))
+            latents = (latents - shift) * float(self.vae.config.scaling_factor)
+            return pack_latents(latents) if self.family == "flux" else latents
         return (latents - self._mean.to(latents.device)) / self._std.to(latents.device)
 
 
 def _vae_spatial_factor(config: Any, family: str) -> int:
     """Spatial factor of a diffusers VAE: 2 per down-sampling stage, times Wan's pixel patch (Wan2.2: 2)."""
-    if family == "flux":
+    if family in _IMAGE_FAMILIES:
         return 2 ** (len(config.block_out_channels) - 1)
     return 2 ** (len(config.dim_mult) - 1) * int(getattr(config, "patch_size", None) or 1)
 
@@ -187,11 +197,12 @@ def _vae_spatial_factor(config: Any, family: str) -> int:
 def _tiny_vae(family: str, channels: int, factor: int) -> torch.nn.Module:
     from diffusers import AutoencoderKL, AutoencoderKLWan
 
-    valid = (FLUX_SPATIAL_FACTOR,) if family == "flux" else (WAN21_SPATIAL_FACTOR, WAN22_SPATIAL_FACTOR)
+    valid = (FLUX_SPATIAL_FACTOR,) if family in _IMAGE_FAMILIES else (WAN21_SPATIAL_FACTOR, WAN22_SPATIAL_FACTOR)
     if factor not in valid:
         raise ValueError(f"a tiny {family} VAE compresses {' or '.join(map(str, valid))}x, not {factor}x")
 
-    if family == "flux":
+    if family in _IMAGE_FAMILIES:
+        flux = family == "flux"
         return AutoencoderKL(
             down_block_types=("DownEncoderBlock2D",) * 4,
             up_block_types=("UpDecoderBlock2D",) * 4,
@@ -199,8 +210,8 @@ def _tiny_vae(family: str, channels: int, factor: int) -> torch.nn.Module:
             layers_per_block=1,
             latent_channels=channels,
             norm_num_groups=4,
-            scaling_factor=FLUX_SCALING_FACTOR,
-            shift_factor=FLUX_SHIFT_FACTOR,
+            scaling_factor=FLUX_SCALING_FACTOR if flux else SD3_SCALING_FACTOR,
+            shift_factor=FLUX_SHIFT_FACTOR if flux else SD3_SHIFT_FACTOR,
             use_quant_conv=False,
             use_post_quant_conv=False,
         )
@@ -268,7 +279,7 @@ def build_vae(
         root = _vae_dir(path, family)
         from diffusers import AutoencoderKL, AutoencoderKLWan
 
-        cls: Any = AutoencoderKL if family == "flux" else AutoencoderKLWan
+        cls: Any = AutoencoderKL if family in _IMAGE_FAMILIES else AutoencoderKLWan
         try:
             vae = cls.from_pretrained(str(root), local_files_only=True, torch_dtype=dtype)
         except Exception as exc:  # noqa: BLE001 -- any loader failure is reported as one line

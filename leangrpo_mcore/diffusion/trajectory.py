@@ -51,6 +51,8 @@ class Conditioning:
     """(B, L, D) negative-prompt tokens for classifier-free guidance, or None without CFG."""
     guidance: torch.Tensor | None = None
     """(B,) distilled-guidance scale (FLUX-dev), or None."""
+    negative_pooled_projections: torch.Tensor | None = None
+    """(B, P) pooled embedding of the negative prompt (SD3's classifier-free guidance), or None."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,7 +69,8 @@ class Conditioning:
                 f"encoder_hidden_states must be (B, L, D), got shape {tuple(self.encoder_hidden_states.shape)}"
             )
         batch = self.num_samples
-        for name, ndim in (("pooled_projections", 2), ("negative_encoder_hidden_states", 3), ("guidance", 1)):
+        for name, ndim in (("pooled_projections", 2), ("negative_encoder_hidden_states", 3), ("guidance", 1),
+                           ("negative_pooled_projections", 2)):
             value = getattr(self, name)
             if value is not None:
                 _check_batch(f"conditioning.{name}", value, ndim, batch)

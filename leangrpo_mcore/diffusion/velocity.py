@@ -1,5 +1,5 @@
 """Calling a policy for the velocity of a batch of latents: FLUX (packed latents, RoPE ids, guidance
-embedding) and Wan (two-branch classifier-free guidance in one batch).
+embedding), Wan and SD3 (two-branch classifier-free guidance in one batch).
 
 A velocity function is ``fn(latents (B, *shape) float32, sigma (B,) float32, conditioning) -> (B, *shape)
 float32``. It converts sigmas to the timestep the policy's forward expects (the diffusers pipeline
@@ -189,6 +189,42 @@ class WanVelocity(_PolicyVelocity):
         return uncond + self.cfg_scale * (cond - uncond)
 
 
+class SD3Velocity(WanVelocity):
+    """Velocity of an SD3 policy on (B, C, H, W) latents, with Wan's two-branch CFG when ``cfg_scale > 1``.
+
+    SD3 has no guidance embedding: StableDiffusion3Pipeline runs [uncond; cond] in one batch, the negative
+    branch reading the negative prompt's tokens *and* pooled vector (``conditioning.negative_*``), and combines
+    them as Wan does.
+    """
+
+    family = "sd3"
+
+    def __init__(self, policy: torch.nn.Module, *, sigma_kind: str = "sd3", cfg_scale: float = 1.0,
+                 compute_dtype: torch.dtype | None = None):
+        super().__init__(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale, compute_dtype=compute_dtype)
+
+    def policy_inputs(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> dict:
+        """The keyword arguments of the policy forward: the batch, or [uncond; cond] under CFG."""
+        sigma = _check_sigma(latents, sigma)
+        if conditioning.pooled_projections is None:
+            raise ValueError("SD3 needs conditioning.pooled_projections")
+        dtype, timestep = self.compute_dtype, self.timestep(sigma)
+        batch = latents.to(dtype)
+        context, pooled = conditioning.encoder_hidden_states.to(dtype), conditioning.pooled_projections.to(dtype)
+        if self.cfg_scale == 1.0:
+            return dict(hidden_states=batch, encoder_hidden_states=context, pooled_projections=pooled,
+                        timestep=timestep)
+        negative = conditioning.negative_encoder_hidden_states
+        negative_pooled = conditioning.negative_pooled_projections
+        if negative is None or negative_pooled is None:
+            raise ValueError(f"cfg_scale {self.cfg_scale} needs conditioning.negative_encoder_hidden_states and "
+                             "negative_pooled_projections")
+        return dict(hidden_states=torch.cat([batch, batch]),
+                    encoder_hidden_states=torch.cat([negative.to(dtype), context]),
+                    pooled_projections=torch.cat([negative_pooled.to(dtype), pooled]),
+                    timestep=torch.cat([timestep, timestep]))
+
+
 class SplitVelocity:
     """A velocity function on this rank's pieces of the latents (context parallelism, ``parallel.cp``).
 
@@ -218,11 +254,14 @@ def build_velocity_fn(
     latent_width: int = 0,
     cfg_scale: float = 1.0,
 ) -> FluxVelocity | WanVelocity:
-    """The velocity function of a ``flux`` or ``wan`` policy (latent grid sizes are FLUX's VAE latent grid)."""
+    """The velocity function of a ``flux``, ``sd3`` or ``wan`` policy (latent grid sizes are FLUX's VAE latent
+    grid)."""
     if family == "flux":
         if cfg_scale != 1.0:
             raise ValueError("FLUX uses the guidance embedding; set sampler.cfg_scale to 1")
         return FluxVelocity(policy, latent_height=latent_height, latent_width=latent_width, sigma_kind=sigma_kind)
     if family == "wan":
         return WanVelocity(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale)
-    raise ValueError(f"unknown policy family {family!r}; valid: flux, wan")
+    if family == "sd3":
+        return SD3Velocity(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale)
+    raise ValueError(f"unknown policy family {family!r}; valid: flux, sd3, wan")

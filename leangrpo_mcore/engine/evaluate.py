@@ -182,9 +182,12 @@ class Evaluator:
         if cond.guidance is not None:
             cond = dataclasses.replace(cond, guidance=torch.full_like(cond.guidance, float(self.guidance)))
         if self.cfg_scale > 1.0 and cond.negative_encoder_hidden_states is None:
-            negative = self.text_encoder.embed([self.config.sampler.negative_prompt])[0].float()
-            cond = dataclasses.replace(cond, negative_encoder_hidden_states=negative.expand(len(prompts), -1, -1)
-                                       .clone().to(cond.encoder_hidden_states.device))
+            device = cond.encoder_hidden_states.device
+            negative, pooled = self.text_encoder.negative_embedding(len(prompts), self.config.sampler.negative_prompt)
+            # SD3's guidance also reads the negative prompt's pooled vector; Wan's only its tokens.
+            pooled = pooled.to(device) if pooled is not None and self.parts.family.name == "sd3" else None
+            cond = dataclasses.replace(cond, negative_encoder_hidden_states=negative.to(device),
+                                       negative_pooled_projections=pooled)
         return cond
 
     def _rollout(self, pairs: list[tuple[int, int]]) -> torch.Tensor:

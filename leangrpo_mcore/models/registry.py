@@ -23,7 +23,8 @@ from leangrpo_mcore.models.common.pipeline import PipelineStage
 from leangrpo_mcore.models.common.tp import capture_tp_layout, full_shape
 from leangrpo_mcore.models.common.lora import LoRAConfig, apply_lora, lora_is_merged
 
-FAMILY_MODULES = {"flux": "leangrpo_mcore.models.flux", "wan": "leangrpo_mcore.models.wan"}
+FAMILY_MODULES = {"flux": "leangrpo_mcore.models.flux", "sd3": "leangrpo_mcore.models.sd3",
+                  "wan": "leangrpo_mcore.models.wan"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class ModelFamily:
     """Default LoRA target suffixes for this family (FlowGRPO's choice)."""
     name_to_diffusers: Optional[Callable[[str], str]] = None
     """Our parameter name -> diffusers' (None: the names are the same), used to name exported adapters."""
+    fixed_diffusers_tensors: Optional[Callable[[Any], dict]] = None
+    """``fixed(config) -> {diffusers name: shape}``: stored tensors that are functions of the config alone and no
+    parameters of ours (SD3's positional table): accepted in a diffusers directory, never read."""
 
 
 def get_family(name: str) -> ModelFamily:
@@ -166,8 +170,9 @@ def read_policy_files(path: Union[str, os.PathLike]) -> PolicyFiles:
     family = family_for_diffusers_class(str(hyper.get("_class_name")))
     config = family.config_cls.from_diffusers_config(hyper)
     plan = family.diffusers_plan(config)
-    check_shapes({k: torch.empty(source.shape(k), device="meta") for k in source.keys()}, stored_shapes(plan),
-                 f"{family.name} diffusers")
+    fixed = family.fixed_diffusers_tensors(config) if family.fixed_diffusers_tensors else {}
+    check_shapes({k: torch.empty(source.shape(k), device="meta") for k in source.keys()},
+                 {**stored_shapes(plan), **fixed}, f"{family.name} diffusers")
     return PolicyFiles(family, config, None, assembled_boxes(source, plan), frozenset(plan))
 
 

@@ -63,7 +63,8 @@ def activation_features(arch: ArchSpec, tokens: dict[str, int], checkpointing: b
 
 def _input_width(arch: ArchSpec) -> int:
     """Width of the raw latent input (0 on a pipeline stage without the embedders: it saves no raw input)."""
-    return next((lin.in_features for lin in arch.root if lin.name in ("x_embedder", "patch_embedding")), 0)
+    names = ("x_embedder", "patch_embedding", "pos_embed.proj")
+    return next((lin.in_features for lin in arch.root if lin.name in names), 0)
 
 
 def _text_width(arch: ArchSpec) -> int:

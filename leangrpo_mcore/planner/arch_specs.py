@@ -1,12 +1,12 @@
 """Architecture arithmetic for the layout planner: parameters, tokens and FLOPs from diffusers hyper-parameters.
 
-Pure Python. An :class:`ArchSpec` lists every linear layer of a FLUX or Wan transformer (diffusers module names,
+Pure Python. An :class:`ArchSpec` lists every linear layer of a FLUX, SD3 or Wan transformer (diffusers module names,
 shapes, which token stream it runs over and how tensor parallelism splits it) plus the non-linear parameters
 (norm weights, scale-shift tables). Parameter counts, forward FLOPs, LoRA adapter sizes and TP all-reduce volumes
 all follow from that one list, so they cannot disagree with each other.
 
 Token streams: ``image`` (image / video tokens), ``text`` (text-encoder tokens), ``joint`` (both, FLUX's joint
-sequence) and ``sample`` (one row per sample: timestep / pooled-text embeddings and adaLN modulation).
+sequence; SD3's joint attention) and ``sample`` (one row per sample: timestep / pooled-text embeddings and adaLN modulation).
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from typing import Any, Optional
 
 from leangrpo_mcore.block_split import stage_block_counts
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.vae_factors import FLUX_SPATIAL_FACTOR, spatial_factor
+from leangrpo_mcore.vae_factors import FLUX_SPATIAL_FACTOR, SD3_SPATIAL_FACTOR, spatial_factor
 
 FLUX_CLASS = "FluxTransformer2DModel"
+SD3_CLASS = "SD3Transformer2DModel"
 WAN_CLASS = "WanTransformer3DModel"
+_CLASS_FAMILIES = {FLUX_CLASS: "flux", SD3_CLASS: "sd3", WAN_CLASS: "wan"}
 
 # Published diffusers configs (config.json of the transformer subfolder) of the built-in model names.
 BUILTIN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -46,12 +48,26 @@ BUILTIN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_layers": 30, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
         "vae_scale_factor_temporal": 4, "vae_scale_factor_spatial": 16,
     }),
+    "sd3.5-medium": ("sd3", {
+        "_class_name": SD3_CLASS, "sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 24,
+        "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096,
+        "caption_projection_dim": 1536, "pooled_projection_dim": 2048, "out_channels": 16,
+        "pos_embed_max_size": 384, "dual_attention_layers": list(range(13)), "qk_norm": "rms_norm",
+    }),
+    "sd3.5-large": ("sd3", {
+        "_class_name": SD3_CLASS, "sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38,
+        "attention_head_dim": 64, "num_attention_heads": 38, "joint_attention_dim": 4096,
+        "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "out_channels": 16,
+        "pos_embed_max_size": 192, "dual_attention_layers": [], "qk_norm": "rms_norm",
+    }),
 }
 
 # The families' default LoRA targets (``FAMILY.lora_targets`` of the models package; FlowGRPO's FLUX set).
 DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "flux": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
              "attn.add_v_proj", "attn.to_add_out", "ff", "ff_context"),
+    "sd3": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+            "attn.add_v_proj", "attn.to_add_out"),
     "wan": ("to_q", "to_k", "to_v", "to_out"),
 }
 
@@ -134,7 +150,7 @@ class ArchSpec:
         s = self.spatial_stride
         if height % s or width % s:
             raise UserError(f"{self.name}: height and width must be multiples of {s}, got {height}x{width}")
-        if self.family == "flux" and frames != 1:
+        if self.family in ("flux", "sd3") and frames != 1:
             raise UserError(f"{self.name} is an image model: frames must be 1, got {frames}")
         if (frames - 1) % self.temporal_stride:
             raise UserError(f"{self.name}: frames must be 1 + a multiple of {self.temporal_stride}, got {frames}")
@@ -276,9 +292,9 @@ def stage_spec(arch: ArchSpec, pp: int, rank: int) -> ArchSpec:
 
 def boundary_elements(arch: ArchSpec, tokens: dict[str, int]) -> int:
     """Elements of the one tensor a pipeline stage sends the next per sample and forward (``docs/models.md``):
-    FLUX ``[temb, text, image]`` rows, Wan ``[hidden states, temb, 6 modulation rows, text]`` (per-sample
+    FLUX's and SD3's ``[temb, text, image]`` rows, Wan ``[hidden states, temb, 6 modulation rows, text]`` (per-sample
     timesteps), each ``hidden_size`` wide."""
-    rows = 1 + tokens["joint"] if arch.family == "flux" else tokens["image"] + 7 + tokens["text"]
+    rows = 1 + tokens["joint"] if arch.family in ("flux", "sd3") else tokens["image"] + 7 + tokens["text"]
     return rows * arch.hidden_size
 
 
@@ -366,24 +382,76 @@ def wan_spec(config: dict, name: str = "wan") -> ArchSpec:
                     temporal_patch=pt, vae_stride=vae_s, root=root, root_norm_params=2 * d, blocks=blocks)
 
 
+def _sd3_block(c: dict, *, dual: bool, last: bool) -> tuple[LinearSpec, ...]:
+    """The linears of one SD3 joint block (``dual``: MMDiT-X's image-only attn2; ``last``: context-pre-only)."""
+    d = int(c["num_attention_heads"]) * int(c["attention_head_dim"])
+    mlp = 4 * d  # diffusers' FeedForward mult
+    block = [_lin("norm1.linear", d, (9 if dual else 6) * d, "sample", "column"),
+             _lin("norm1_context.linear", d, (2 if last else 6) * d, "sample", "column")]
+    block += [_lin(f"attn.{proj}", d, d, "image", "column") for proj in ("to_q", "to_k", "to_v")]
+    block += [_lin(f"attn.{proj}", d, d, "text", "column") for proj in ("add_q_proj", "add_k_proj", "add_v_proj")]
+    block += [_lin("attn.to_out.0", d, d, "image", "row"), _lin("ff.net.0.proj", d, mlp, "image", "column"),
+              _lin("ff.net.2", mlp, d, "image", "row")]
+    if dual:
+        block += [_lin(f"attn2.{proj}", d, d, "image", "column") for proj in ("to_q", "to_k", "to_v")]
+        block.append(_lin("attn2.to_out.0", d, d, "image", "row"))
+    if not last:
+        block += [_lin("attn.to_add_out", d, d, "text", "row"), _lin("ff_context.net.0.proj", d, mlp, "text", "column"),
+                  _lin("ff_context.net.2", mlp, d, "text", "row")]
+    return tuple(block)
+
+
+def sd3_spec(config: dict, name: str = "sd3") -> ArchSpec:
+    """The :class:`ArchSpec` of a diffusers ``SD3Transformer2DModel`` config (missing keys: diffusers defaults).
+
+    Blocks of one kind are consecutive runs: MMDiT-X blocks (``dual_attention_layers``), plain joint blocks and
+    the context-pre-only last block, in execution order. The positional table is a buffer, not a parameter.
+    """
+    c = {"patch_size": 2, "in_channels": 16, "num_layers": 18, "attention_head_dim": 64, "num_attention_heads": 18,
+         "joint_attention_dim": 4096, "caption_projection_dim": 1152, "pooled_projection_dim": 2048,
+         "out_channels": 16, "dual_attention_layers": [], "qk_norm": None, **config}
+    heads, head_dim, layers = int(c["num_attention_heads"]), int(c["attention_head_dim"]), int(c["num_layers"])
+    d, p, in_ch = heads * head_dim, int(c["patch_size"]), int(c["in_channels"])
+    out_ch, dual = int(c["out_channels"] or in_ch), set(int(i) for i in c["dual_attention_layers"] or ())
+    root = (_lin("pos_embed.proj", in_ch * p * p, d, "image"),
+            _lin("context_embedder", int(c["joint_attention_dim"]), int(c["caption_projection_dim"]), "text"),
+            _lin("time_text_embed.timestep_embedder.linear_1", 256, d, "sample"),
+            _lin("time_text_embed.timestep_embedder.linear_2", d, d, "sample"),
+            _lin("time_text_embed.text_embedder.linear_1", int(c["pooled_projection_dim"]), d, "sample"),
+            _lin("time_text_embed.text_embedder.linear_2", d, d, "sample"),
+            _lin("norm_out.linear", d, 2 * d, "sample", "column"), _lin("proj_out", d, p * p * out_ch, "image"))
+    qk = 1 if c["qk_norm"] else 0  # per-head q/k RMSNorm weights, replicated over TP
+    runs: list[BlockSpec] = []
+    for i in range(layers):
+        kind = "last" if i == layers - 1 else ("dual" if i in dual else "joint")
+        if runs and runs[-1].kind == kind:
+            runs[-1] = replace(runs[-1], count=runs[-1].count + 1)
+            continue
+        attention = (("joint", "joint"), ("image", "image")) if i in dual else (("joint", "joint"),)
+        runs.append(BlockSpec(kind, 1, _sd3_block(c, dual=i in dual, last=kind == "last"),
+                              norm_params=qk * (6 if i in dual else 4) * head_dim, tp_norm_params=0,
+                              attention=attention, mlp_dim=4 * d, stream="joint"))
+    return ArchSpec(family="sd3", name=name, config=dict(c), hidden_size=d, num_heads=heads, head_dim=head_dim,
+                    latent_channels=in_ch, spatial_stride=SD3_SPATIAL_FACTOR * p, temporal_stride=1,
+                    temporal_patch=1, vae_stride=SD3_SPATIAL_FACTOR, root=root, root_norm_params=0,
+                    blocks=tuple(runs))
+
+
 def arch_from_config(family: str, config: dict, name: Optional[str] = None) -> ArchSpec:
-    """Build the spec of ``family`` ("flux" or "wan") from a diffusers-style config dict."""
+    """Build the spec of ``family`` ("flux", "sd3" or "wan") from a diffusers-style config dict."""
     if not isinstance(config, dict):
         raise UserError(f"a model config must be a mapping, got {type(config).__name__}")
-    if family == "flux":
-        return flux_spec(config, name or "flux")
-    if family == "wan":
-        return wan_spec(config, name or "wan")
-    raise UserError(f"unknown model family {family!r} (expected flux or wan)")
+    builders = {"flux": flux_spec, "sd3": sd3_spec, "wan": wan_spec}
+    if family not in builders:
+        raise UserError(f"unknown model family {family!r} (expected flux, sd3 or wan)")
+    return builders[family](config, name or family)
 
 
 def family_of_class(class_name: Optional[str]) -> str:
     """The family of a diffusers ``_class_name``."""
-    if class_name == FLUX_CLASS:
-        return "flux"
-    if class_name == WAN_CLASS:
-        return "wan"
-    raise UserError(f"cannot plan for model class {class_name!r} (expected {FLUX_CLASS} or {WAN_CLASS})")
+    if class_name in _CLASS_FAMILIES:
+        return _CLASS_FAMILIES[class_name]
+    raise UserError(f"cannot plan for model class {class_name!r} (expected one of {sorted(_CLASS_FAMILIES)})")
 
 
 def load_arch(model: str) -> ArchSpec:

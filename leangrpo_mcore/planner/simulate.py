@@ -112,7 +112,9 @@ def _conditioning(config: Config, hyper: dict, family: str, prompts: int) -> Con
     pooled = None if dims.pooled_dim is None else torch.zeros(prompts, dims.pooled_dim)
     negative = torch.zeros_like(tokens) if s.cfg_scale > 1.0 else None
     guidance = torch.full((prompts,), s.guidance_scale) if hyper.get("guidance_embeds") else None
-    return Conditioning(tokens, pooled, negative, guidance)
+    # SD3's guidance also reads the negative prompt's pooled vector
+    negative_pooled = torch.zeros_like(pooled) if negative is not None and family == "sd3" else None
+    return Conditioning(tokens, pooled, negative, guidance, negative_pooled)
 
 
 def _fixed_rewards(final_latents: torch.Tensor, prompt_ids: torch.Tensor, components: int = 0) -> torch.Tensor:
@@ -249,13 +251,28 @@ SIM_STEPS = 2
 
 
 def block_counts(config: Config) -> dict[str, int]:
-    """The policy's blocks by kind (FLUX: double- and single-stream; Wan: one kind), in diffusers' keys."""
+    """The policy's blocks by kind (FLUX: double- and single-stream; Wan: one kind; SD3: MMDiT-X blocks and the
+    plain joint ones, see :func:`sd3_blocks`), in diffusers' keys."""
     from leangrpo_mcore.engine.model_source import resolve_model_source
 
     source = resolve_model_source(config, check=False)  # a simulation never needs weights
     family, hyper = source.family, source.hyper
+    if family.name == "sd3":
+        dual = len(hyper.get("dual_attention_layers") or ())
+        return {SD3_DUAL_KEY: dual, "num_layers": int(hyper["num_layers"]) - dual}
     keys = ("num_layers", "num_single_layers") if family.name == "flux" else ("num_layers",)
     return {key: int(hyper[key]) for key in keys}
+
+
+SD3_DUAL_KEY = "dual_attention_layers"
+"""SD3's MMDiT-X blocks by count (diffusers lists their indices): the first ones, as in SD3.5-M."""
+
+
+def sd3_blocks(counts: dict[str, int]) -> dict:
+    """SD3's diffusers keys for ``counts`` of :func:`block_counts`: the MMDiT-X blocks first, then the plain ones
+    (the context-pre-only last block among them)."""
+    dual = counts[SD3_DUAL_KEY]
+    return {"num_layers": dual + counts["num_layers"], SD3_DUAL_KEY: list(range(dual))}
 
 
 def with_blocks(config: Config, counts: dict[str, int]) -> Config:
@@ -269,7 +286,8 @@ def with_blocks(config: Config, counts: dict[str, int]) -> Config:
         family, hyper = source.family, source.hyper
         arch = {k: v for k, v in hyper.items() if not k.startswith("_")}
         m = dataclasses.replace(m, path=None, family=family.name, preset=None)
-    return dataclasses.replace(config, model=dataclasses.replace(m, arch={**arch, **counts}))
+    blocks = sd3_blocks(counts) if m.family == "sd3" else counts
+    return dataclasses.replace(config, model=dataclasses.replace(m, arch={**arch, **blocks}))
 
 
 def selected_steps(config: Config) -> int:

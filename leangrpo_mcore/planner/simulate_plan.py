@@ -23,8 +23,10 @@ from leangrpo_mcore.planner.layout import Plan
 from leangrpo_mcore.planner.workload import SCHEDULES, Workload
 
 SIMULATE_CHOICES = ("chosen", "all")
-BASE_PRESET = {"flux": "flux-dev", "wan": "wan2.1-1.3b"}
+BASE_PRESET = {"flux": "flux-dev", "sd3": "sd3.5-medium", "wan": "wan2.1-1.3b"}
 """Preset under a diffusers config's own hyper-parameters (every one of them overrides it)."""
+SIGMA_SCHEDULE = {"flux": "flux", "sd3": "sd3", "wan": "wan"}
+"""The sigma schedule of each family's pipeline."""
 
 
 def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_scale: float) -> Config:
@@ -40,7 +42,7 @@ def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_sc
                   "text_max_length": int(work.tokens["text"]),
                   "lora": {"rank": work.lora_rank, "alpha": 2 * max(work.lora_rank, 1),
                            "targets": list(work.lora_targets) or None}},
-        "sampler": {"sde_kind": "wan" if wan else "flow_grpo", "sigma_schedule": "wan" if wan else "flux",
+        "sampler": {"sde_kind": "wan" if wan else "flow_grpo", "sigma_schedule": SIGMA_SCHEDULE[arch.family],
                     "num_steps": work.num_steps, "height": height, "width": width, "frames": frames,
                     "cfg_scale": cfg_scale},
         "grpo": {"group_size": work.group_size, "prompts_per_step": work.prompts_per_step,

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.distributed
 
 FLUX = Case(family="flux")
 WAN_LORA_KL = Case(family="wan", lora=True, kl_beta=20.0, global_std=True)
+SD3_CFG_LORA_KL = Case(family="sd3", lora=True, kl_beta=10.0)  # dual attention, CFG with negative pooled
 # per-sample selected steps and a second (Native) update after the first optimizer step
 GATHERED = FLUX.but(selection="dance_grpo", fraction=0.5, updates=2)
 
@@ -38,6 +39,9 @@ def _all_configurations(rank: int, world_size: int) -> dict:
         "conv_native": WAN_LORA_KL.but(layout="conventional"),
         "conv_retain": WAN_LORA_KL.but(layout="conventional", schedule="retain", sync="per_backward"),
         "conv_reweight": WAN_LORA_KL.but(layout="conventional", schedule="reweight", accumulate="affine"),
+        # Native's gradients synced as Retain's (coalesced): then Retain is bitwise Native
+        "sd3_shared_native": SD3_CFG_LORA_KL.but(sync="coalesced"),
+        **{f"sd3_shared_{name}": SD3_CFG_LORA_KL.but(schedule=name) for name in ("retain", "reweight")},
     }
     for schedule in ("native", "retain", "reweight"):
         runs[f"gathered_{schedule}"] = GATHERED.but(schedule=schedule, reshard=False)
@@ -51,7 +55,7 @@ def _all_configurations(rank: int, world_size: int) -> dict:
     except ValueError as err:
         out["refused"] = str(err)
     destroy_parallel_context()
-    for family, case in (("flux", FLUX), ("wan", WAN_LORA_KL)):
+    for family, case in (("flux", FLUX), ("wan", WAN_LORA_KL), ("sd3", SD3_CFG_LORA_KL)):
         for schedule in ("native", "retain", "reweight"):
             out[f"tp_{family}_{schedule}"] = run_case(case.but(tp=2, schedule=schedule))
         destroy_parallel_context()
@@ -64,7 +68,8 @@ def results():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the ranks run single-threaded kernels; so must the reference
     try:
-        reference = {"flux": run_case(FLUX), "wan": run_case(WAN_LORA_KL), "mix": run_case(MIX_FLASH)}
+        reference = {"flux": run_case(FLUX), "wan": run_case(WAN_LORA_KL), "sd3": run_case(SD3_CFG_LORA_KL),
+                     "mix": run_case(MIX_FLASH)}
     finally:
         torch.set_num_threads(threads)
     return ranks, reference
@@ -123,10 +128,19 @@ def test_fsdp_conventional_layout_wan_cfg_lora_kl(results):
         assert rel_l2(reference["wan"].grads[0], out["conv_native"].grads[0]) < 1e-6
 
 
+def test_fsdp_shared_layout_sd3_cfg_lora_kl(results):
+    ranks, reference = results
+    for out in ranks:
+        check_parity(out["sd3_shared_native"], out["sd3_shared_retain"], out["sd3_shared_reweight"])
+        assert np.array_equal(out["sd3_shared_native"].rewards, reference["sd3"].rewards)
+        assert rel_l2(reference["sd3"].grads[0], out["sd3_shared_native"].grads[0]) < 1e-6
+        assert math.isclose(out["sd3_shared_native"].grad_norms[0], reference["sd3"].grad_norms[0], rel_tol=1e-6)
+
+
 def test_tensor_parallel(results):
     ranks, reference = results
     for out in ranks:
-        for family in ("flux", "wan"):
+        for family in ("flux", "wan", "sd3"):
             native, retain, reweight = (out[f"tp_{family}_{s}"] for s in ("native", "retain", "reweight"))
             check_parity(native, retain, reweight)
             np.testing.assert_allclose(native.rewards, reference[family].rewards, rtol=1e-5, atol=1e-5)

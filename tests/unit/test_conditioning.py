@@ -72,7 +72,7 @@ def test_text_dims_and_factory_errors():
     with pytest.raises(UserError, match="needs model.text_encoder_path"):
         build_text_encoder(_cfg("diffusers"), "wan", TextDims(4))
     with pytest.raises(ValueError, match="unknown model family"):
-        HashedTextEncoder("sd3", TextDims(4))
+        HashedTextEncoder("sdxl", TextDims(4))
     with pytest.raises(ValueError, match="pooled_dim"):
         HashedTextEncoder("flux", TextDims(4))
 

@@ -186,3 +186,17 @@ def test_cp2_prediction_matches_the_simulated_step():
     for c in simulated:
         assert c["cp"] == 2 and c["dp_shard"] * c["dp_replicate"] == 1
         assert 0.9 <= c["simulated_over_predicted"] <= 1.1, (c["schedule"], c["simulated_over_predicted"])
+
+
+def test_sd3_medium_plans_with_cfg_and_the_tiny_sd3_config_simulates(capsys):
+    out = _json(capsys, ["--model", "sd3.5-medium", *HW, "--resolution", "512", "--group-size", "24"])
+    assert out["chosen"]["fits"] and out["world_size"] == 8
+    dense = _json(capsys, ["--model", "sd3.5-medium", *HW, "--resolution", "512", "--group-size", "24",
+                           "--cfg-scale", "1"])
+    # CFG (SD3's default 4.5) runs [uncond; cond]: every forward costs twice the FLOPs of one without it
+    assert out["chosen"]["step_time_s"] > dense["chosen"]["step_time_s"]
+    proc = _plan_cli("--config", "yaml_configs/tiny/sd3.yaml", "--gpus-per-node", "2", "--gpu-mem-gb", "80",
+                     "--simulate", "chosen", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    chosen = [c for c in json.loads(proc.stdout)["candidates"] if "simulated_peak_bytes" in c]
+    assert len(chosen) == 1 and chosen[0]["simulated_breakdown"]["parameters"] > 0

@@ -24,8 +24,8 @@ import torch
 from leangrpo_mcore.diffusion.sampler import SDEParams
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
+from leangrpo_mcore.diffusion.velocity import FluxVelocity, SD3Velocity, WanVelocity
 from leangrpo_mcore.diffusion.window import SDEWindow
-from leangrpo_mcore.diffusion.velocity import FluxVelocity, WanVelocity
 from leangrpo_mcore.engine import StepEngine, StepInputs, StepPlan
 from leangrpo_mcore.parallel.fsdp import apply_fsdp
 from leangrpo_mcore.parallel.mesh import Layout, build_parallel_context
@@ -157,6 +157,14 @@ def _setup(case: Case, pp_rank: int = 0):
         shape, kind, noise = (16, 16), case.sde_kind or "flow_grpo", 0.9
         cond = Conditioning(encoder_hidden_states=torch.randn(p, 5, 32, generator=gen),
                             pooled_projections=torch.randn(p, 24, generator=gen), guidance=torch.full((p,), 3.5))
+    elif case.family == "sd3":
+        # CFG 4.5 with a negative prompt's tokens and pooled vector, as FlowGRPO's SD3.5-M runs
+        velocity = SD3Velocity(policy, cfg_scale=4.5)
+        shape, kind, noise = (16, 8, 8), case.sde_kind or "flow_grpo", 0.7
+        cond = Conditioning(encoder_hidden_states=torch.randn(p, 5, 24, generator=gen),
+                            pooled_projections=torch.randn(p, 20, generator=gen),
+                            negative_encoder_hidden_states=torch.randn(p, 5, 24, generator=gen),
+                            negative_pooled_projections=torch.randn(p, 20, generator=gen))
     else:
         velocity = WanVelocity(policy, cfg_scale=4.0)
         shape, kind, noise = (4, 1, 4, 4), case.sde_kind or "wan", 0.7
@@ -166,6 +174,8 @@ def _setup(case: Case, pp_rank: int = 0):
         sigmas, noise = get_sigmas("dance", case.num_steps, shift=3.0), 0.3
     elif case.family == "flux":
         sigmas = get_sigmas("flux", case.num_steps, image_seq_len=16)
+    elif case.family == "sd3":
+        sigmas = get_sigmas("sd3", case.num_steps, shift=3.0)
     else:
         sigmas = get_sigmas("wan", case.num_steps, shift=3.0)
     return policy, velocity, shape, sigmas, kind, noise, cond
@@ -309,6 +319,13 @@ def test_flux_lora_kl_global_std_sde_window_micro_batch():
     check_parity(native, retain, reweight, per_sample=True, tol=4e-6)  # measured 9.0e-7
     affine = run_case(case.but(schedule="reweight", accumulate="affine"))
     assert rel_l2(native.grads[0], affine.grads[0]) < 4e-6  # measured 9.1e-7
+
+
+def test_sd3_cfg_dual_attention_lora_kl():
+    case = Case(family="sd3", lora=True, kl_beta=10.0)
+    native, retain, reweight = run_three(case)
+    check_parity(native, retain, reweight)
+    assert any("attn2.to_q.lora" in name for name in native.names)  # the MMDiT-X attention trains too
 
 
 # MixGRPO-Flash: a progressive window (at step 5: start 1 of [0, 3)), DPM-Solver++(2M) outside it and the 3 steps

@@ -37,7 +37,7 @@ def test_latent_shapes_and_their_errors():
     with pytest.raises(ValueError, match="frames must be 1"):
         latent_shape("flux", 512, 512, 5)
     with pytest.raises(ValueError, match="unknown model family"):
-        latent_shape("sd3", 512, 512)
+        latent_shape("sdxl", 512, 512)
 
 
 def test_tiny_flux_vae_is_seeded_and_round_trips_shapes():
