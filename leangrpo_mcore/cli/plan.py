@@ -18,7 +18,7 @@ import json
 import math
 import sys
 import textwrap
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.errors import UserError
@@ -27,6 +27,9 @@ from leangrpo_mcore.planner.workload import (HARDWARE_KINDS, PRECISIONS, SCHEDUL
                                              hardware_preset)
 from leangrpo_mcore.planner.layout import (DEFAULT_TEXT_TOKENS, Plan, config_schedules, describe_layout, plan,
                                            workload_from_config)
+
+if TYPE_CHECKING:
+    from leangrpo_mcore.config import Config
 
 # Flags that a YAML config sets itself: with --config they come from it (use dotted overrides instead).
 WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_size", "prompts_per_step",
