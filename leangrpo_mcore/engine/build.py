@@ -148,14 +148,20 @@ def check_layout_early(config: Config, pctx: ParallelContext) -> None:
                         f"parallel.layout={layout} do not fit {pctx.dp_size} data-parallel ranks: {err}") from None
 
 
-def precision_of(config: Config, pctx: ParallelContext) -> RunPrecision:
-    """The run's dtypes; UserError when forwards must be cast but nothing can cast them, or FP8 is asked for
-    without Transformer Engine."""
+def check_precision(config: Config) -> RunPrecision:
+    """The run's dtypes from the config alone (before any planning); ValueError for dtypes that contradict each
+    other, UserError for FP8 asked for without Transformer Engine."""
     m = config.model
     if m.fp8 is not None and resolve_backend(m.backend) != "te":
         raise UserError(f"model.fp8={m.fp8} needs the Transformer Engine backend (model.backend=te or auto, with "
                         f"transformer_engine installed and a CUDA device); set model.fp8=null here")
-    precision = run_precision(config.model, config.parallel, config.schedule)
+    return run_precision(config.model, config.parallel, config.schedule)
+
+
+def precision_of(config: Config, pctx: ParallelContext) -> RunPrecision:
+    """The run's dtypes (:func:`check_precision`); UserError when forwards must be cast but nothing can cast
+    them."""
+    precision = check_precision(config)
     if precision.casts and pctx.dp_mesh is None and pctx.world_size > 1:
         raise UserError(f"model.dtype={precision.compute} under model.master_dtype={precision.master} needs FSDP2 "
                         f"to cast the weights, and tensor parallelism alone (no data parallelism) has none: set "

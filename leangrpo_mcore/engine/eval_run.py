@@ -17,7 +17,7 @@ from leangrpo_mcore.engine.evaluate import EvalResult, Evaluator, eval_rewards
 from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown
 from leangrpo_mcore.engine.trainer import user_errors
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.parallel.mesh import destroy_parallel_context
+from leangrpo_mcore.parallel.mesh import Layout, destroy_parallel_context
 from leangrpo_mcore.parallel.precision import fp8_precision
 
 
@@ -35,6 +35,26 @@ def _check_checkpoint(path: str, family: str, hyper: dict, lora: Optional[dict])
     return int(saved.get("step", 0))
 
 
+def _eval_layout(config: Config, world_size: int, logger) -> Config:
+    """``config`` with data-parallel degrees this world can run. A run's ``RUN/config.yaml`` records the degrees
+    its launch resolved (the planner's, for another world size perhaps); evaluation runs no update, so degrees
+    that do not divide this world give way to FSDP2 over every data-parallel rank, said in one line."""
+    p = config.parallel
+    try:
+        Layout.from_config(p).resolve(world_size)
+        return config
+    except ValueError as err:
+        reason = err
+    default = dataclasses.replace(p, dp_shard="auto", dp_replicate="auto")
+    try:
+        Layout.from_config(default).resolve(world_size)
+    except ValueError:
+        raise reason from None  # the model-parallel degrees do not fit either: the layout's own error
+    logger.info("evaluation at world size %d: parallel.dp_shard=%s parallel.dp_replicate=%s (%s) give way to FSDP2 "
+                "over every data-parallel rank", world_size, p.dp_shard, p.dp_replicate, reason)
+    return dataclasses.replace(config, parallel=default)
+
+
 def evaluate_model(config: Config, checkpoint_path: Optional[str] = None) -> Optional[EvalResult]:
     """Collective over the launched ranks: evaluate ``checkpoint_path`` (a ``RUN/checkpoints/step_<N>``) or, without
     one, the model of ``config``; the result on the first rank, None elsewhere."""
@@ -44,6 +64,7 @@ def evaluate_model(config: Config, checkpoint_path: Optional[str] = None) -> Opt
     logger = get_logger(dist_ctx.rank)
     try:
         with user_errors():
+            config = _eval_layout(config, dist_ctx.world_size, logger)
             pctx = build.build_context(config, dist_ctx)
             precision = build.precision_of(config, pctx)
             source = build.resolve_model_source(config)

@@ -314,6 +314,7 @@ class Trainer:
 
     def __init__(self, config: Config, dist_ctx: DistContext, logger: logging.Logger) -> None:
         self.dist, self.log = dist_ctx, logger
+        build.check_precision(config)  # a contradiction in the dtypes is an error before any planning
         self.planned = frozenset(build.auto_keys(config))
         """The keys the user left auto: the planner's resolution of them may differ between launches."""
         self.config = config = build.resolve_plan(config, dist_ctx, logger)
