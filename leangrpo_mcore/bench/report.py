@@ -230,7 +230,16 @@ def _run_header(report: dict) -> list[str]:
             f"world size {meta['world_size']}{_cp_note(meta)} ({meta['device']}, {meta['threads']} threads/rank), "
             f"T={shape['num_steps']}, |S|={shape['steps_per_sample']}, {shape['samples_per_rank']} samples/rank, "
             f"{shape['tokens']} tokens, {params:.2f} M params ({trained:.2f} M trained), {meta['steps']} measured "
-            f"steps after {meta['warmup']} warm-up, order {', '.join(meta['order'])}.{_load_note(meta)}", ""]
+            f"steps after {meta['warmup']} warm-up, order {', '.join(meta['order'])}.{_gather_note(meta)}"
+            f"{_load_note(meta)}", ""]
+
+
+def _gather_note(meta: dict) -> str:
+    """The config's own layout's FSDP2 gathering (``parallel.reshard_after_forward`` as the run resolved it)."""
+    if meta.get("dp_size", 1) == 1 or "reshard_after_forward" not in meta:
+        return ""
+    value = meta["reshard_after_forward"]
+    return f" Own layout {meta['layout']}, parallel.reshard_after_forward={str(value).lower()}."
 
 
 def _tflops(value: Optional[float]) -> str:

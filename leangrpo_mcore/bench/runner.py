@@ -228,6 +228,7 @@ class Bench:
                 "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "steps": self.options.steps, "warmup": self.options.warmup,
                 "order": list(self.labels), "layout": self.main.layout,
+                "reshard_after_forward": self.config.parallel.reshard_after_forward,
                 "layouts": {label: arm.layout for label, arm in self.arm_of.items()}}
 
     def throughput(self) -> dict[str, dict]:

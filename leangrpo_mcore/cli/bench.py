@@ -80,6 +80,7 @@ def _main(argv: Sequence[str] | None) -> int:
     key, values = _sweep_points(args.sweep)
     configs = [load_config(args.config, [*args.overrides, *([f"{key}={v}"] if key else [])]) for v in values]
     from leangrpo_mcore.bench.runner import BenchOptions, bench_document, parse_schedules, run_benchmark
+    from leangrpo_mcore.engine.build import resolve_plan
     from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown
     from leangrpo_mcore.engine.trainer import user_errors
     from leangrpo_mcore.parallel.mesh import destroy_parallel_context
@@ -98,6 +99,8 @@ def _main(argv: Sequence[str] | None) -> int:
                                    baselines=not args.no_baselines)
             logger.info("benchmarking %s: %s", title, ", ".join(schedules))
             with user_errors():
+                # the config's own layout is the trainer's: its auto keys resolved by the planner for this world
+                config = resolve_plan(config, dist_ctx, logger)
                 runs.append(run_benchmark(config, options, dist_ctx))
         document = bench_document(runs, key, values if key else None)
         if dist_ctx.is_main:
