@@ -33,6 +33,7 @@ FLUX = Case(family="flux")
 WAN = Case(family="wan", lora=True, kl_beta=20.0, global_std=True)
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
+TINY_SD3 = str(ROOT / "yaml_configs" / "tiny" / "sd3.yaml")  # CFG with the negative prompt, dual attention
 COMMON = ("reward.name=tests.unit.test_precision:contrast", "checkpoint.save_every=2", "train.max_steps=3",
           "logging.progress_bar=false", "logging.tensorboard=false", "schedule.name=retain")
 
@@ -184,23 +185,24 @@ def test_pp2_cp2_equals_world_size_1(stages_and_cp):
         assert not np.array_equal(ranks[0][name].trajectory, ranks[1][name].trajectory), name
 
 
-def _train(run: Path, *overrides: str) -> None:
-    train_ranks("--config", TINY_FLUX, f"train.output_dir={run}", *COMMON, *overrides)
+def _train(config: str, run: Path, *overrides: str) -> None:
+    train_ranks("--config", config, f"train.output_dir={run}", *COMMON, *overrides)
 
 
 def _flat(tensors: dict) -> torch.Tensor:
     return torch.cat([tensors[k].double().flatten() for k in sorted(tensors)])
 
 
-def test_pp2_checkpoint_resumes_at_pp1(tmp_path):
+@pytest.mark.parametrize("config", [TINY_FLUX, TINY_SD3], ids=["flux", "sd3"])
+def test_pp2_checkpoint_resumes_at_pp1(tmp_path, config):
     from leangrpo_mcore.cli.train import main as train_main
 
     reference = tmp_path / "pp2"
-    _train(reference, "parallel.pp=2")
+    _train(config, reference, "parallel.pp=2")
     run = tmp_path / "pp1"
     shutil.copytree(reference, run)
     shutil.rmtree(run / "checkpoints" / "step_3")
-    assert train_main(["--config", TINY_FLUX, f"train.output_dir={run}", *COMMON,
+    assert train_main(["--config", config, f"train.output_dir={run}", *COMMON,
                        f"checkpoint.resume={run / 'checkpoints' / 'step_2'}"]) == 0
     saved = model_tensors(reference / "checkpoints" / "step_2")
     mine, ref = (model_tensors(r / "checkpoints" / "step_3") for r in (run, reference))
