@@ -205,3 +205,31 @@ def _join_slices(key: str, parts: list) -> torch.Tensor:
     if offset != piece.stored_shape[dim]:
         raise ValueError(f"the slices of {key} cover {offset} of {piece.stored_shape[dim]} along dim {dim}")
     return torch.cat([part for _, _, part in parts], dim=dim)
+
+
+JOINT_QKV = {"to_qkv": ("to_q", "to_k", "to_v"), "add_qkv_proj": ("add_q_proj", "add_k_proj", "add_v_proj")}
+"""Our fused projections of a joint (MMDiT) attention -> the diffusers projections each concatenates per head."""
+
+
+def fused_qkv(name: str, shape: Sequence[int], heads: int) -> Optional[Assembly]:
+    """The assembly of our fused q/k/v parameter ``name`` (a :data:`JOINT_QKV` projection's weight or bias) from
+    diffusers' three projections, heads interleaved; None for any other parameter."""
+    prefix, fused, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
+    if fused not in JOINT_QKV:
+        return None
+    stored = (shape[0] // 3,) + tuple(shape[1:])
+    sources = [Source(f"{prefix}.{proj}.{kind}", stored, 0, stored[0]) for proj in JOINT_QKV[fused]]
+    return interleave(sources, groups=heads)
+
+
+def meta_shapes(model_cls: Callable, config) -> dict[str, torch.Size]:
+    """FULL (tensor-parallel gathered) shape of every parameter of ``model_cls(config)``, built on the meta
+    device with local layers (no memory, no initialisation)."""
+    import dataclasses
+
+    from leangrpo_mcore.models.common.tp import full_shape
+
+    meta_config = dataclasses.replace(config, perform_initialization=False, use_cpu_initialization=True)
+    with torch.device("meta"):
+        model = model_cls(meta_config, backend="local")
+    return {name: full_shape(param) for name, param in model.named_parameters()}

@@ -14,35 +14,18 @@ is bit-exact (slices and concatenations only).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from leangrpo_mcore.models.common.assembly import Assembly, Source, assemble, disassemble, identity, interleave
-from leangrpo_mcore.models.common.tp import full_shape
+from leangrpo_mcore.models.common.assembly import (Assembly, Source, assemble, disassemble, fused_qkv, identity,
+                                                   interleave, meta_shapes)
 from leangrpo_mcore.models.flux.config import FluxConfig
-
-# Our fused projection -> the diffusers projections it concatenates per head, in order.
-FUSED_QKV = {"to_qkv": ("to_q", "to_k", "to_v"), "add_qkv_proj": ("add_q_proj", "add_k_proj", "add_v_proj")}
 
 
 def expected_shapes(config: FluxConfig) -> dict[str, torch.Size]:
     """FULL shape of every parameter of the FLUX model described by ``config`` (built on the meta device)."""
     from leangrpo_mcore.models.flux.model import FluxTransformer
 
-    meta_config = dataclasses.replace(config, perform_initialization=False, use_cpu_initialization=True)
-    with torch.device("meta"):
-        model = FluxTransformer(meta_config, backend="local")
-    return {name: full_shape(param) for name, param in model.named_parameters()}
-
-
-def _fused_qkv(name: str, shape: tuple[int, ...], heads: int) -> Assembly | None:
-    prefix, fused, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
-    if fused not in FUSED_QKV:
-        return None
-    stored = (shape[0] // 3,) + tuple(shape[1:])
-    sources = [Source(f"{prefix}.{proj}.{kind}", stored, 0, stored[0]) for proj in FUSED_QKV[fused]]
-    return interleave(sources, groups=heads)
+    return meta_shapes(FluxTransformer, config)
 
 
 def _single_proj_out(key: str, shape: tuple[int, ...], config: FluxConfig) -> Assembly:
@@ -56,7 +39,7 @@ def diffusers_plan(config: FluxConfig) -> dict[str, Assembly]:
     plan = {}
     for name, shape in expected_shapes(config).items():
         shape = tuple(shape)
-        fused = _fused_qkv(name, shape, config.num_attention_heads)
+        fused = fused_qkv(name, shape, config.num_attention_heads)
         if fused is not None:
             plan[name] = fused
         elif name.startswith("single_transformer_blocks.") and name.endswith(".proj_out.weight"):

@@ -24,9 +24,9 @@ from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
-from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, StageInputMixin, check_boundary
+from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, check_boundary
+from leangrpo_mcore.models.common.policy import PolicyMixin
 from leangrpo_mcore.models.common.rope import multi_axis_rope_cos_sin
-from leangrpo_mcore.models.common.tp import full_shape
 from leangrpo_mcore.models.flux.config import LATENT_PACKING, VAE_SCALE_FACTOR, FluxConfig
 from leangrpo_mcore.models.flux.layers import AdaLayerNormContinuous, FluxDoubleBlock, FluxSingleBlock
 
@@ -57,7 +57,7 @@ class CombinedTimestepTextEmbedding(torch.nn.Module):
         return emb + self.text_embedder(pooled)
 
 
-class FluxTransformer(StageInputMixin, torch.nn.Module):
+class FluxTransformer(PolicyMixin, torch.nn.Module):
     """FLUX.1 velocity model; ``forward`` takes diffusers' FluxTransformer2DModel arguments.
 
     Knows nothing of RL, FSDP or schedules: it exposes :meth:`blocks` for per-block wrapping and its
@@ -90,28 +90,12 @@ class FluxTransformer(StageInputMixin, torch.nn.Module):
             self.norm_out = AdaLayerNormContinuous(dim, backend=provider, config=config)
             out = config.patch_size * config.patch_size * config.output_channels
             self.proj_out = provider.replicated_linear(dim, out, config=config)
-        if provider.name == "te":
-            # TE allocates its layers on the GPU; bring the torch-native ones (norms, replicated) along.
-            self.to(torch.cuda.current_device())
+        self._follow_layers_to_device(provider)
 
     # ----------------------------------------------------------------- sizes and structure
-    @property
-    def hidden_size(self) -> int:
-        """Width of the residual stream."""
-        return self.config.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        """Transformer blocks in total (double + single stream)."""
-        return self.config.num_layers
-
     def blocks(self) -> list[torch.nn.Module]:
         """Every transformer block in execution order (double-stream, then single-stream)."""
         return list(self.transformer_blocks) + list(self.single_transformer_blocks)
-
-    def num_parameters(self, *, trainable_only: bool = False) -> int:
-        """Parameter count of the FULL (unsharded) model."""
-        return sum(full_shape(p).numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     def tokens_for(self, height: int, width: int, frames: int = 1) -> int:
         """Image tokens for a ``height`` x ``width`` pixel image (VAE /8, 2x2 packing, patch size)."""

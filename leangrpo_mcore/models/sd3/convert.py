@@ -12,16 +12,12 @@ the import checks its shape and drops it, the export regenerates it exactly as d
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from leangrpo_mcore.models.common.assembly import Assembly, Piece, Source, assemble, disassemble, identity, interleave
-from leangrpo_mcore.models.common.tp import full_shape
+from leangrpo_mcore.models.common.assembly import (Assembly, Piece, assemble, disassemble, fused_qkv, identity,
+                                                   meta_shapes)
 from leangrpo_mcore.models.sd3.config import SD3Config
 
-# Our fused projection -> the diffusers projections it concatenates per head, in order.
-FUSED_QKV = {"to_qkv": ("to_q", "to_k", "to_v"), "add_qkv_proj": ("add_q_proj", "add_k_proj", "add_v_proj")}
 PATCH_WEIGHT = "pos_embed.proj.weight"
 POS_TABLE = "pos_embed.pos_embed"
 
@@ -30,24 +26,12 @@ def expected_shapes(config: SD3Config) -> dict[str, torch.Size]:
     """FULL shape of every parameter of the SD3 model described by ``config`` (built on the meta device)."""
     from leangrpo_mcore.models.sd3.model import SD3Transformer
 
-    meta_config = dataclasses.replace(config, perform_initialization=False, use_cpu_initialization=True)
-    with torch.device("meta"):
-        model = SD3Transformer(meta_config, backend="local")
-    return {name: full_shape(param) for name, param in model.named_parameters()}
+    return meta_shapes(SD3Transformer, config)
 
 
 def fixed_tensors(config: SD3Config) -> dict[str, tuple[int, ...]]:
     """Stored diffusers tensors that are functions of the config alone (not parameters of ours) and their shapes."""
     return {POS_TABLE: (1, config.pos_embed_max_size ** 2, config.hidden_size)}
-
-
-def _fused_qkv(name: str, shape: tuple[int, ...], heads: int) -> Assembly | None:
-    prefix, fused, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
-    if fused not in FUSED_QKV:
-        return None
-    stored = (shape[0] // 3,) + tuple(shape[1:])
-    sources = [Source(f"{prefix}.{proj}.{kind}", stored, 0, stored[0]) for proj in FUSED_QKV[fused]]
-    return interleave(sources, groups=heads)
 
 
 def diffusers_plan(config: SD3Config) -> dict[str, Assembly]:
@@ -56,7 +40,7 @@ def diffusers_plan(config: SD3Config) -> dict[str, Assembly]:
     p = config.patch_size
     for name, shape in expected_shapes(config).items():
         shape = tuple(shape)
-        fused = _fused_qkv(name, shape, config.num_attention_heads)
+        fused = fused_qkv(name, shape, config.num_attention_heads)
         if fused is not None:
             plan[name] = fused
         elif name == PATCH_WEIGHT:

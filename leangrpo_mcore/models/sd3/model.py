@@ -22,8 +22,8 @@ from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
-from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, StageInputMixin, check_boundary
-from leangrpo_mcore.models.common.tp import full_shape
+from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, check_boundary
+from leangrpo_mcore.models.common.policy import PolicyMixin
 from leangrpo_mcore.models.flux.layers import AdaLayerNormContinuous
 from leangrpo_mcore.models.sd3.config import VAE_SCALE_FACTOR, SD3Config
 from leangrpo_mcore.models.sd3.layers import SD3JointBlock
@@ -91,7 +91,7 @@ class PatchEmbed(torch.nn.Module):
         return (x + positions.to(x.device)).to(x.dtype)
 
 
-class SD3Transformer(StageInputMixin, torch.nn.Module):
+class SD3Transformer(PolicyMixin, torch.nn.Module):
     """SD3 / SD3.5 velocity model: patchify -> joint blocks -> continuous adaLN -> projection -> unpatchify.
 
     Knows nothing of RL, FSDP or schedules: it exposes :meth:`blocks` for per-block wrapping and its sizes for
@@ -121,28 +121,12 @@ class SD3Transformer(StageInputMixin, torch.nn.Module):
             self.norm_out = AdaLayerNormContinuous(dim, backend=provider, config=config)
             p = config.patch_size
             self.proj_out = provider.replicated_linear(dim, p * p * config.output_channels, config=config)
-        if provider.name == "te":
-            # TE allocates its layers on the GPU; bring the torch-native ones (norms, replicated) along.
-            self.to(torch.cuda.current_device())
+        self._follow_layers_to_device(provider)
 
     # ----------------------------------------------------------------- sizes and structure
-    @property
-    def hidden_size(self) -> int:
-        """Width of the residual stream."""
-        return self.config.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        """Joint transformer blocks."""
-        return self.config.num_layers
-
     def blocks(self) -> list[torch.nn.Module]:
         """Every transformer block in execution order."""
         return list(self.transformer_blocks)
-
-    def num_parameters(self, *, trainable_only: bool = False) -> int:
-        """Parameter count of the FULL (unsharded) model."""
-        return sum(full_shape(p).numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     def tokens_for(self, height: int, width: int, frames: int = 1) -> int:
         """Image tokens for a ``height`` x ``width`` pixel image (VAE /8, then patches)."""

@@ -27,8 +27,8 @@ from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.norms import LayerNorm
-from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, StageInputMixin, check_boundary
-from leangrpo_mcore.models.common.tp import full_shape
+from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, check_boundary
+from leangrpo_mcore.models.common.policy import PolicyMixin
 from leangrpo_mcore.models.wan.config import WanConfig
 from leangrpo_mcore.models.wan.layers import (
     WanBlock,
@@ -39,7 +39,7 @@ from leangrpo_mcore.models.wan.layers import (
 )
 
 
-class WanModel(StageInputMixin, nn.Module):
+class WanModel(PolicyMixin, nn.Module):
     """Wan T2V diffusion transformer: patchify -> N blocks -> modulated output norm -> projection -> unpatchify."""
 
     def __init__(self, config: WanConfig, *, backend: str = "auto", stage: Optional[PipelineStage] = None) -> None:
@@ -62,27 +62,11 @@ class WanModel(StageInputMixin, nn.Module):
             self.norm_out = LayerNorm(dim, config.layernorm_epsilon)
             self.proj_out = provider.replicated_linear(dim, config.out_channels * patch_numel, config=config)
             self.scale_shift_table = modulation_table(2, dim, config.params_dtype)
-        if provider.name == "te":
-            # TE allocates its layers on the GPU; bring the torch-native parameters (tables, norms) along.
-            self.to(torch.cuda.current_device())
-
-    @property
-    def hidden_size(self) -> int:
-        """Width of the residual stream."""
-        return self.config.hidden_size
-
-    @property
-    def num_layers(self) -> int:
-        """Number of transformer blocks."""
-        return self.config.num_layers
+        self._follow_layers_to_device(provider)
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks in order (the units of per-block FSDP and activation checkpointing)."""
         return list(self.layers)
-
-    def num_parameters(self, *, trainable_only: bool = False) -> int:
-        """Parameter count of the FULL model (tensor-parallel shards counted at their unsharded size)."""
-        return sum(full_shape(p).numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
     def tokens_for(self, height: int, width: int, frames: int = 1) -> int:
         """Video tokens of a ``frames`` x ``height`` x ``width`` pixel video (VAE compression, then patches).
