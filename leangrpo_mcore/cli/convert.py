@@ -4,7 +4,8 @@
   leangrpo-convert mcore-to-diffusers --src DIR --dst DIR [--keep-lora]
 
 The diffusers side is a transformer directory (``config.json`` + ``*.safetensors``, sharded index
-supported). Our format records the model config and FULL tensors, and loads at any TP size. On export
+supported), or for Wan2.2-A14B's two experts the pipeline root (``transformer/``, ``transformer_2/`` and the
+``boundary_ratio`` of ``model_index.json``), which an export writes back in the same layout. Our format records the model config and FULL tensors, and loads at any TP size. On export
 LoRA adapters are merged into the base weights (in float32, rounded once to the export dtype), unless
 ``--keep-lora``: then the base weights stay unmerged and the adapters go to ``pytorch_lora_weights.safetensors``
 (PEFT key names with the ``transformer.`` prefix; the ``alpha / rank`` scale is folded into ``lora_B``), which
@@ -36,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     to_ours = sub.add_parser("diffusers-to-mcore", help="diffusers transformer dir -> our checkpoint")
     to_ours.add_argument("--model", required=True, choices=("flux", "sd3", "wan"), help="model family of --src")
-    to_ours.add_argument("--src", required=True, help="diffusers transformer directory (config.json + *.safetensors)")
+    to_ours.add_argument("--src", required=True, help="diffusers transformer directory (config.json + *.safetensors), "
+                                                      "or a two-expert pipeline root (transformer/, transformer_2/)")
     to_ours.add_argument("--dst", required=True, help="output directory (our format)")
     to_ours.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")
     to_diffusers = sub.add_parser("mcore-to-diffusers", help="our checkpoint -> diffusers transformer dir")
@@ -183,14 +185,29 @@ def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite
     if target is not None:
         converted = {k: v.to(target) if v.is_floating_point() else v for k, v in converted.items()}
     folder = ckpt.write_diffusers_dir(dst, class_name=family.diffusers_class_name,
-                                      config=config.to_diffusers_config(), tensors=converted)
+                                      config=config.to_diffusers_config(), tensors=converted,
+                                      pipeline_class=getattr(config, "diffusers_pipeline", None))
     if adapters and keep_lora:
+        _write_peft(folder, adapters, scaling, experts=getattr(config, "boundary_ratio", None) is not None)
+    return folder
+
+
+def _write_peft(folder: Path, adapters: dict, scaling: float, *, experts: bool) -> None:
+    """The adapters as PEFT tensors (``transformer.`` prefix, the scale folded into B): one file, or with two
+    experts one in each expert's component folder (diffusers loads the second with ``load_into_transformer_2``)."""
+    from leangrpo_mcore.models.common import checkpoint as ckpt
+
+    places = {f"{c}.": folder / c for c in ckpt.EXPERT_COMPONENTS} if experts else {"": folder}
+    for prefix, place in places.items():
         peft = {}
         for host, (a, b) in adapters.items():
-            peft[f"transformer.{host}.lora_A.weight"] = a
-            peft[f"transformer.{host}.lora_B.weight"] = (b.float() * scaling).to(b.dtype)
-        ckpt.save_safetensors(peft, folder / LORA_FILE, metadata={"format": "pt"})
-    return folder
+            if prefix and not host.startswith(prefix):
+                continue
+            name = host[len(prefix):]
+            peft[f"transformer.{name}.lora_A.weight"] = a
+            peft[f"transformer.{name}.lora_B.weight"] = (b.float() * scaling).to(b.dtype)
+        if peft:
+            ckpt.save_safetensors(peft, place / LORA_FILE, metadata={"format": "pt"})
 
 
 def _main(argv: Sequence[str] | None) -> int:

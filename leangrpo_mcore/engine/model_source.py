@@ -27,6 +27,7 @@ from leangrpo_mcore.models.registry import ModelFamily, PolicyFiles, read_policy
 
 _PRESET_SOURCES = {"flux-dev": "FLUX.1-dev", "flux-schnell": "FLUX.1-schnell", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                    "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-ti2v-5b": "Wan2.2-TI2V-5B",
+                   "wan2.2-t2v-a14b": "Wan2.2-T2V-A14B",
                    "sd3.5-medium": "stable-diffusion-3.5-medium", "sd3.5-large": "stable-diffusion-3.5-large"}
 """The released model of each full-size preset, named in the error of :func:`check_random_init`."""
 
@@ -62,8 +63,10 @@ def check_random_init(config: Config) -> None:
     preset other than the tiny ones, unless ``model.random_init`` says so on purpose."""
     m = config.model
     if m.path is None and m.preset is not None and "tiny" not in m.preset and not m.random_init:
+        where = "pipeline root (its transformer/ and transformer_2/ are the two experts)" if "a14b" in m.preset \
+            else "transformer directory"
         raise UserError(f"model.path is not set: preset {m.preset} would RL-train a randomly initialised model; set "
-                        f"model.path to the {_PRESET_SOURCES.get(m.preset, 'pretrained')} transformer directory (or "
+                        f"model.path to the {_PRESET_SOURCES.get(m.preset, 'pretrained')} {where} (or "
                         f"model.random_init: true on purpose)")
 
 
@@ -74,8 +77,11 @@ def is_pipeline_root(path: str) -> bool:
 
 
 def policy_dir(path: str) -> str:
-    """The directory holding the policy's weights: ``path/transformer`` for a pipeline root, else ``path``."""
-    return os.path.join(path, "transformer") if is_pipeline_root(path) else path
+    """The directory holding the policy's weights: ``path/transformer`` for a pipeline root, ``path`` itself for
+    a two-expert one (its ``transformer/`` and ``transformer_2/`` are one policy) or anything else."""
+    if not is_pipeline_root(path) or ckpt.is_expert_pipeline(path):
+        return path
+    return os.path.join(path, "transformer")
 
 
 def pipeline_shift(path: Optional[str]) -> Optional[float]:

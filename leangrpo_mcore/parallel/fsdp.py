@@ -57,7 +57,8 @@ def apply_fsdp(
     with ``cast_only`` in a one-process world: FSDP2 over a one-rank mesh then only casts the master weights to
     ``param_dtype`` for the forwards (and the gradients back), as it does at any data-parallel degree.
 
-    ``model.blocks()`` gives the transformer blocks (each its own FSDP unit); the remaining parameters
+    ``model.blocks()`` gives the transformer blocks (each its own FSDP unit); a model with ``fsdp_groups()``
+    (two experts: each expert's embedders and head) gets a unit for each of those next; the remaining parameters
     (embedders, final layer) form the root unit.
 
     The step engine sets the resharding of each step with :class:`StepGathering`.
@@ -75,8 +76,9 @@ def apply_fsdp(
         raise ValueError(f"{type(model).__name__} has no blocks(): cannot wrap it per block")
     saved = _tp_attributes(model)
     mp_policy = mixed_precision_policy(param_dtype, reduce_dtype)
-    for block in model.blocks():
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
+    groups = model.fsdp_groups() if hasattr(model, "fsdp_groups") else []
+    for unit in [*model.blocks(), *groups]:
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from leangrpo_mcore.models.common.tensor_source import (  # noqa: F401 (MemorySource re-exported)
     CheckpointError,
     MemorySource,
+    PrefixedSource,
     TensorSource,
     _read_json,
 )
@@ -40,6 +41,9 @@ DCP_DIR = "dcp"
 DIFFUSERS_CONFIG = "config.json"
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIFFUSERS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
+MODEL_INDEX = "model_index.json"
+EXPERT_COMPONENTS = ("transformer", "transformer_2")
+"""The components of a pipeline whose denoiser is two experts split at ``boundary_ratio`` (Wan2.2-A14B)."""
 
 
 def is_policy_checkpoint(path: str | os.PathLike) -> bool:
@@ -67,11 +71,41 @@ def read_policy_checkpoint(path: str | os.PathLike) -> tuple[dict, TensorSource]
     return meta, TensorSource.from_file(folder / WEIGHTS_FILE)
 
 
+def is_expert_pipeline(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a diffusers pipeline root whose denoiser is two experts: ``model_index.json`` names a
+    ``transformer`` and a ``transformer_2`` and sets ``boundary_ratio`` (Wan2.2-A14B)."""
+    folder = Path(path)
+    if not (folder / MODEL_INDEX).is_file():
+        return False
+    index = _read_json(folder / MODEL_INDEX)
+    return index.get("boundary_ratio") is not None and all(index.get(c) and index[c][0] is not None
+                                                           for c in EXPERT_COMPONENTS)
+
+
+def read_expert_pipeline(path: str | os.PathLike) -> tuple[dict, TensorSource]:
+    """The experts of a two-expert pipeline root as one model: ``transformer``'s config.json with the pipeline's
+    ``boundary_ratio``, and the tensors of both components under the prefixes ``transformer.`` and
+    ``transformer_2.``. The experts must share one architecture (the released ones do)."""
+    folder = Path(path)
+    index = _read_json(folder / MODEL_INDEX)
+    read = {c: read_diffusers_dir(folder / c) for c in EXPERT_COMPONENTS}
+    configs = [{k: v for k, v in read[c][0].items() if not k.startswith("_")} for c in EXPERT_COMPONENTS]
+    differ = sorted(k for k in set(configs[0]) | set(configs[1]) if configs[0].get(k) != configs[1].get(k))
+    if differ:
+        raise CheckpointError(f"{folder}: transformer and transformer_2 differ in {differ}; the two experts must "
+                              f"share one architecture")
+    hyper = {**read["transformer"][0], "boundary_ratio": index["boundary_ratio"]}
+    return hyper, PrefixedSource({f"{c}.": read[c][1] for c in EXPERT_COMPONENTS})
+
+
 def read_diffusers_dir(path: str | os.PathLike) -> tuple[dict, TensorSource]:
-    """``config.json`` and the weights of a diffusers model directory (single file or sharded index)."""
+    """``config.json`` and the weights of a diffusers model directory (single file or sharded index), or of a
+    two-expert pipeline root (:func:`read_expert_pipeline`)."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a directory")
+    if is_expert_pipeline(folder):
+        return read_expert_pipeline(folder)
     config = _read_json(folder / DIFFUSERS_CONFIG)
     if (folder / DIFFUSERS_INDEX).is_file():
         return config, TensorSource.from_index(folder / DIFFUSERS_INDEX)
@@ -141,12 +175,24 @@ def write_policy_checkpoint(dst: str | os.PathLike, *, family: str, config: dict
 
 
 def write_diffusers_dir(dst: str | os.PathLike, *, class_name: str, config: dict,
-                        tensors: dict[str, torch.Tensor]) -> Path:
-    """Write ``config.json`` + ``diffusion_pytorch_model.safetensors`` that diffusers' from_pretrained loads."""
+                        tensors: dict[str, torch.Tensor], pipeline_class: Optional[str] = None) -> Path:
+    """Write ``config.json`` + ``diffusion_pytorch_model.safetensors`` that diffusers' from_pretrained loads; a
+    config with a ``boundary_ratio`` (two experts, their tensors prefixed ``transformer.`` / ``transformer_2.``)
+    is written as a pipeline root holding both components and a ``model_index.json`` of ``pipeline_class``."""
     import diffusers
 
     folder = Path(dst)
     folder.mkdir(parents=True, exist_ok=True)
+    if config.get("boundary_ratio") is not None:
+        expert_config = {k: v for k, v in config.items() if k != "boundary_ratio"}
+        for component in EXPERT_COMPONENTS:
+            prefix = f"{component}."
+            mine = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            write_diffusers_dir(folder / component, class_name=class_name, config=expert_config, tensors=mine)
+        index = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__,
+                 "boundary_ratio": config["boundary_ratio"], **{c: ["diffusers", class_name] for c in EXPERT_COMPONENTS}}
+        (folder / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return folder
     full_config = {"_class_name": class_name, "_diffusers_version": diffusers.__version__, **config}
     save_safetensors(tensors, folder / DIFFUSERS_WEIGHTS, metadata={"format": "pt"})
     (folder / DIFFUSERS_CONFIG).write_text(json.dumps(full_config, indent=2, sort_keys=True) + "\n",

@@ -168,3 +168,45 @@ class MemorySource(TensorSource):
         for dim, (start, size) in enumerate(zip(offsets, sizes)):
             tensor = tensor.narrow(dim, start, size)
         return tensor
+
+
+class PrefixedSource(TensorSource):
+    """Several sources as one, each one's names under its own prefix (a pipeline's ``transformer.`` and
+    ``transformer_2.`` components read as one set of tensors)."""
+
+    def __init__(self, sources: dict[str, TensorSource]) -> None:
+        super().__init__({})
+        self._sources = dict(sources)
+
+    def _find(self, key: str) -> tuple[TensorSource, str]:
+        for prefix, source in self._sources.items():
+            if key.startswith(prefix) and key[len(prefix):] in source:
+                return source, key[len(prefix):]
+        raise CheckpointError(f"tensor {key!r} is not in the checkpoint")
+
+    def keys(self) -> list[str]:
+        """Tensor names (prefixed), sorted."""
+        return sorted(prefix + key for prefix, source in self._sources.items() for key in source.keys())
+
+    def __contains__(self, key: str) -> bool:
+        return any(key.startswith(p) and key[len(p):] in s for p, s in self._sources.items())
+
+    def shape(self, key: str) -> torch.Size:
+        """The stored (full) shape of ``key``."""
+        source, inner = self._find(key)
+        return source.shape(inner)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The full tensor ``key``."""
+        source, inner = self._find(key)
+        return source.get(inner)
+
+    def get_box(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+        """The box of ``key`` at ``offsets`` of ``sizes``."""
+        source, inner = self._find(key)
+        return source.get_box(inner, offsets, sizes)
+
+    def get_shard(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of ``key`` for the parameter ``like``."""
+        source, inner = self._find(key)
+        return source.get_shard(inner, like)

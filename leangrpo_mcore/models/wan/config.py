@@ -16,6 +16,12 @@ from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.vae_factors import wan_spatial_factor
 
 DIFFUSERS_CLASS_NAME = "WanTransformer3DModel"
+EXPERTS = ("high", "low")
+"""Our names of a two-expert policy's transformers, in diffusers' order."""
+DIFFUSERS_EXPERTS = {"high": "transformer", "low": "transformer_2"}
+"""Our expert name -> the pipeline component (subfolder) that diffusers stores it as."""
+NUM_TRAIN_TIMESTEPS = 1000
+"""The schedulers' ``num_train_timesteps`` that ``boundary_ratio`` scales (every released Wan pipeline's)."""
 QK_NORM_ACROSS_HEADS = "rms_norm_across_heads"
 
 # Keys of diffusers' WanTransformer3DModel config that this implementation reads (private "_..." keys such as
@@ -65,6 +71,10 @@ class WanConfig(TransformerConfig):
     """Image key/value projection width of the I2V variants (unsupported: must be None)."""
     pos_embed_seq_len: Optional[int] = None
     """Image positional-embedding length of the FLF2V variants (unsupported: must be None)."""
+    boundary_ratio: Optional[float] = None
+    """Two experts (Wan2.2-A14B): denoising steps with timestep >= boundary_ratio * 1000 run the high-noise
+    expert, the others the low-noise one, both of this architecture (diffusers' ``WanPipeline(transformer=...,
+    transformer_2=..., boundary_ratio=...)``); None: one transformer."""
     vae_scale_factor_temporal: int = 4
     """Frames per latent frame of the paired VAE (first frame alone), used by ``tokens_for``."""
     vae_scale_factor_spatial: Optional[int] = None
@@ -97,6 +107,8 @@ class WanConfig(TransformerConfig):
         unsupported = {k: v for k, v in unsupported.items() if v is not None}
         if unsupported:
             raise UserError(f"Wan image conditioning (I2V/FLF2V) is not supported: {unsupported}")
+        if self.boundary_ratio is not None and not 0.0 < float(self.boundary_ratio) < 1.0:
+            raise UserError(f"Wan boundary_ratio must be in (0, 1), got {self.boundary_ratio}")
         if self.recompute_granularity is not None:
             raise UserError("Wan recomputes whole blocks: set activation_checkpointing, not recompute_granularity")
 
@@ -113,7 +125,7 @@ class WanConfig(TransformerConfig):
         class_name = d.get("_class_name", DIFFUSERS_CLASS_NAME)
         if class_name != DIFFUSERS_CLASS_NAME:
             raise UserError(f"not a Wan transformer config: _class_name is {class_name!r}")
-        own = {"vae_scale_factor_temporal", "vae_scale_factor_spatial"}
+        own = {"vae_scale_factor_temporal", "vae_scale_factor_spatial", "boundary_ratio"}
         unknown = sorted(k for k in d if not k.startswith("_") and k not in _DIFFUSERS_KEYS and k not in own)
         if unknown:
             raise UserError(f"unknown keys in the Wan transformer config: {unknown}")
@@ -150,9 +162,21 @@ class WanConfig(TransformerConfig):
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    @property
+    def diffusers_pipeline(self) -> str:
+        """The diffusers pipeline class of this transformer (what an exported two-expert root names)."""
+        return "WanPipeline"
+
+    @property
+    def experts(self) -> int:
+        """Transformers of the policy: 2 with a ``boundary_ratio`` (high- and low-noise expert), else 1."""
+        return 1 if self.boundary_ratio is None else 2
+
     def to_diffusers_config(self) -> dict[str, Any]:
-        """The diffusers ``config.json`` hyper-parameters of this model (JSON-serialisable)."""
-        return {
+        """The diffusers ``config.json`` hyper-parameters of this model (JSON-serialisable); a two-expert policy
+        adds its ``boundary_ratio`` (the pipeline's key: each expert's own config.json is the rest)."""
+        experts = {} if self.boundary_ratio is None else {"boundary_ratio": float(self.boundary_ratio)}
+        return {**experts,
             "patch_size": list(self.patch_size),
             "num_attention_heads": self.num_attention_heads,
             "attention_head_dim": self.attention_head_dim,
@@ -191,6 +215,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "wan2.1-14b": _preset(heads=40, ffn_dim=13824, num_layers=40),
     # TI2V-5B: same block design with 48 latent channels (Wan2.2 VAE); its per-token timesteps are supported.
     "wan2.2-ti2v-5b": _preset(heads=24, ffn_dim=14336, num_layers=30, channels=48),
+    # T2V-A14B: two experts of Wan2.1-14B's shape, the high-noise one for t >= 875 (model_index.json).
+    "wan2.2-t2v-a14b": {**_preset(heads=40, ffn_dim=13824, num_layers=40), "boundary_ratio": 0.875},
     "tiny": {
         **_DIFFUSERS_DEFAULTS,
         "patch_size": [1, 2, 2],
@@ -205,3 +231,5 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rope_max_seq_len": 32,
     },
 }
+PRESETS["wan-tiny-a14b"] = {**PRESETS["tiny"], "boundary_ratio": 0.875}
+"""The tiny architecture as two experts (CPU tests of Wan2.2-A14B's routing)."""

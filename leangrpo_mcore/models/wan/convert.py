@@ -6,18 +6,20 @@ flattened patches), and the fused projections interleave diffusers' separate one
 ``to_qkv`` from ``to_q`` / ``to_k`` / ``to_v``, cross-attention ``to_kv`` from ``to_k`` / ``to_v``; see
 ``layers``), so a round trip is bit-exact. Both directions on FULL tensors and the sharded checkpoint
 readers derive from :func:`diffusers_plan`; inputs are checked against the shapes the config implies, so a wrong
-model or a corrupt file gives one line.
+model or a corrupt file gives one line. A two-expert policy (Wan2.2-A14B) maps each expert to its pipeline
+component: ours ``high.*`` / ``low.*`` are diffusers' ``transformer.*`` / ``transformer_2.*``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
 import torch
 
 from leangrpo_mcore.models.common.assembly import Assembly, Piece, Source, assemble, disassemble, interleave
-from leangrpo_mcore.models.wan.config import WanConfig
+from leangrpo_mcore.models.wan.config import DIFFUSERS_EXPERTS, WanConfig
 
 # (diffusers pattern, our pattern) and the inverse: blocks live in ``layers`` (so that ``WanModel.blocks()`` can
 # be a method), the Dropout slots of diffusers' Sequentials disappear; every other name is kept.
@@ -88,7 +90,11 @@ def diffusers_name_to_mcore(name: str) -> str:
 
 
 def mcore_name_to_diffusers(name: str) -> str:
-    """The diffusers Wan parameter name for one of our parameter names."""
+    """The diffusers Wan parameter name for one of our parameter names (an expert's ``high.`` / ``low.`` prefix
+    becomes its pipeline component's, ``transformer.`` / ``transformer_2.``)."""
+    ours, _, rest = name.partition(".")
+    if ours in DIFFUSERS_EXPERTS and rest:
+        return f"{DIFFUSERS_EXPERTS[ours]}.{_rename(rest, _TO_DIFFUSERS)}"
     return _rename(name, _TO_DIFFUSERS)
 
 
@@ -110,7 +116,20 @@ def _fused_plan(config: WanConfig, shapes: dict[str, tuple[int, ...]]) -> dict[s
 
 def diffusers_plan(config: WanConfig) -> dict[str, Assembly]:
     """How each of our parameters is made of diffusers' tensors (renames, the patch kernel viewed as a linear,
-    the fused projections interleaved per head)."""
+    the fused projections interleaved per head). A two-expert policy's ``high.<name>`` / ``low.<name>`` are
+    each expert's plan over the tensors of its pipeline component, ``transformer.<key>`` / ``transformer_2.<key>``."""
+    if config.boundary_ratio is None:
+        return expert_plan(config)
+    plan = {}
+    for ours, component in DIFFUSERS_EXPERTS.items():
+        for name, assembly in expert_plan(config).items():
+            pieces = tuple(dataclasses.replace(p, key=f"{component}.{p.key}") for p in assembly.pieces)
+            plan[f"{ours}.{name}"] = Assembly(pieces, assembly.dim)
+    return plan
+
+
+def expert_plan(config: WanConfig) -> dict[str, Assembly]:
+    """:func:`diffusers_plan` of one transformer (names without an expert prefix)."""
     shapes = diffusers_shapes(config)
     plan = _fused_plan(config, shapes)
     fused_keys = {piece.key for assembly in plan.values() for piece in assembly.pieces}
