@@ -14,6 +14,7 @@ from leangrpo_mcore.config.schema import (
     Config,
     DataConfig,
     EvalConfig,
+    ExpertsConfig,
     GRPOConfig,
     LoggingConfig,
     LoRAConfig,
@@ -28,6 +29,6 @@ from leangrpo_mcore.config.schema import (
 
 __all__ = [
     "COMMAND_LINE", "ConfigError", "build_config", "config_to_yaml", "dump_config", "load_config", "valid_keys",
-    "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "GRPOConfig", "LoggingConfig", "LoRAConfig", "ModelConfig",
+    "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "ExpertsConfig", "GRPOConfig", "LoggingConfig", "LoRAConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "RewardConfig", "SamplerConfig", "ScheduleConfig", "TrainConfig",
 ]

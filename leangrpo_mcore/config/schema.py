@@ -146,6 +146,17 @@ class LoRAConfig:
 
 
 @dataclass
+class ExpertsConfig:
+    """A two-expert policy (Wan2.2-A14B: a high-noise and a low-noise transformer split at the pipeline's
+    boundary_ratio; docs/models.md, "Two experts")."""
+
+    train: str = option("both", choices=("both", "high", "low"))
+    """Which experts learn: both, or only the high-noise (high) or the low-noise (low) one. The other is frozen (no
+    gradients, no optimizer state, its weights kept in the compute dtype; with LoRA its adapters frozen too), and
+    of the selected steps only those its partner runs are trained. A one-transformer policy accepts only both."""
+
+
+@dataclass
 class ModelConfig:
     """The policy (FLUX, SD3 or Wan) and its conditioning models."""
 
@@ -177,6 +188,8 @@ class ModelConfig:
     """Seed of the random initialisation (when no `path` is given)."""
     lora: LoRAConfig = option(factory=LoRAConfig)
     """Adapters (rank 0 = full fine-tune)."""
+    experts: ExpertsConfig = option(factory=ExpertsConfig)
+    """Which experts of a two-expert policy train."""
     text_encoder: str = option("hashed", choices=("hashed", "diffusers", "precomputed"))
     """Text conditioning provider: hashed (tiny deterministic embedder, not a language model), diffusers, precomputed."""
     text_encoder_path: Optional[str] = None

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from leangrpo_mcore.diffusion.seeding import derive_seed, generator
+from leangrpo_mcore.diffusion.sigmas import timesteps_from_sigmas
 
 SELECTION_METHODS = ("flow_grpo", "sde_window", "dance_grpo")
+EXPERT_CHOICES = ("both", "high", "low")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,30 @@ class Selection:
     """(B, T) bool: the trained steps S."""
     sde: torch.Tensor
     """(B, T) bool: steps sampled with the SDE (and scored with a log-density); S ⊆ sde."""
+
+
+@dataclass(frozen=True)
+class ExpertSteps:
+    """A two-expert policy's split of the denoising steps (Wan2.2-A14B): a step whose scheduler timestep is at
+    least ``boundary`` runs the high-noise expert, the others the low-noise one, as the policy routes them
+    (``models/wan/experts.py``). With one expert trained, only the selected steps it runs are trained: the others
+    would give its parameters no gradient, so leaving them out changes nothing but the work."""
+
+    boundary: float
+    """The scheduler timestep at which the low-noise expert takes over (boundary_ratio x 1000)."""
+    sigma_kind: str
+    """The sigma schedule, whose timestep convention the policy receives."""
+    train: str = "both"
+    """Which experts train: both, high or low."""
+
+    def high(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """(T,) bool of a (T+1,) schedule: the steps the high-noise expert runs."""
+        return timesteps_from_sigmas(sigmas[:-1], self.sigma_kind) >= self.boundary
+
+    def trained(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """(T,) bool: the steps whose expert trains."""
+        high = self.high(sigmas)
+        return {"both": torch.ones_like(high), "high": high, "low": ~high}[self.train]
 
 
 def num_selected(method: str, num_steps: int, fraction: float, window_size: int = 0) -> int:

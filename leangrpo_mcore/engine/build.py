@@ -9,6 +9,7 @@ the step engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -19,6 +20,7 @@ from leangrpo_mcore.config.schema import Config, RewardConfig as RewardSection
 from leangrpo_mcore.data.conditioning import TextDims, TextEncoder, build_text_encoder
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
 from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
+from leangrpo_mcore.diffusion.selection import ExpertSteps
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
 from leangrpo_mcore.engine.checkpoint import TPLayout, capture_tp_layout
@@ -33,6 +35,7 @@ from leangrpo_mcore.vae_factors import spatial_factor
 from leangrpo_mcore.models import apply_lora, mark_only_lora_trainable
 from leangrpo_mcore.models.backends import resolve_backend
 from leangrpo_mcore.models.registry import ModelFamily, materialize, meta_policy
+from leangrpo_mcore.models.wan.experts import boundary_timestep
 from leangrpo_mcore.parallel.groups import check_layout
 from leangrpo_mcore.parallel.fsdp import apply_fsdp
 from leangrpo_mcore.models.common.pipeline import PipelineStage, split_blocks
@@ -187,6 +190,8 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
             apply_lora(policy, lora_section(lora, family), seed=m.seed, require_match=stage is None)
     if getattr(policy, "lora_config", None) is not None:
         mark_only_lora_trainable(policy)
+    freeze_experts(policy, m.experts.train)
+    if any(not p.requires_grad for p in policy.parameters()):
         _frozen_in(policy, torch_dtype(precision.compute))
     tp_layout = capture_tp_layout(policy)
     materialize(policy, pctx.device, seed=m.seed, files=files, layout=tp_layout,
@@ -213,10 +218,20 @@ def pipeline_stage(num_blocks: int, pctx: ParallelContext) -> Optional[PipelineS
         raise UserError(f"parallel.pp={pp}: {err}") from None
 
 
+def freeze_experts(policy: torch.nn.Module, train: str) -> None:
+    """``model.experts.train``: with ``high`` or ``low`` the other expert of a two-expert policy is frozen, its
+    adapters too (its parameters get no gradient and no optimizer state)."""
+    if train == "both":
+        return
+    frozen = policy.expert("low" if train == "high" else "high")
+    for param in frozen.parameters():
+        param.requires_grad_(False)
+
+
 def _frozen_in(policy: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Frozen (LoRA base) parameters of the meta policy in the compute ``dtype``: they are never updated, so a
-    master copy would only double them (a 12B base: 45 GiB in fp32 instead of 22 GiB); forwards see the same
-    values, since FSDP2 casts them to the compute dtype anyway."""
+    """Frozen parameters (a LoRA base, a frozen expert) of the meta policy in the compute ``dtype``: they are never
+    updated, so a master copy would only double them (a 12B base: 45 GiB in fp32 instead of 22 GiB); forwards see
+    the same values, since FSDP2 casts them to the compute dtype anyway."""
     for module in policy.modules():
         for name, param in list(module._parameters.items()):
             if param is None or param.requires_grad or param.dtype == dtype:
@@ -336,6 +351,10 @@ def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: Parall
     sigmas = sigma_schedule(config, s.num_steps, shape)
     velocity = build_velocity(config, parts, pctx, cfg_scale=s.cfg_scale)
     plan = StepPlan.from_config(config, latent_shape=shape, sigmas=sigmas, schedule=schedule)
+    ratio = getattr(parts.policy.config, "boundary_ratio", None)
+    if ratio is not None:
+        plan = dataclasses.replace(plan, experts=ExpertSteps(boundary_timestep(ratio), s.sigma_schedule,
+                                                             config.model.experts.train))
     precision = fp8_precision(parts.policy) if config.model.fp8 else null_precision
     return StepEngine(plan, policy=parts.policy, velocity_fn=velocity, ctx=pctx, optimizer=parts.optimizer,
                       reward_fn=reward_fn, lr_scheduler=parts.lr_scheduler, precision=precision,

@@ -149,6 +149,10 @@ def resolve_model_source(config: Config, *, check: bool = True) -> ModelSource:
                                                 "activation_checkpointing": m.activation_checkpointing is True,
                                                 "fp8": m.fp8})
         files, kind = None, "preset"
+    if m.experts.train != "both" and getattr(model_config, "boundary_ratio", None) is None:
+        raise UserError(f"model.experts.train={m.experts.train} needs a two-expert policy (Wan2.2-A14B: a pipeline "
+                        f"root with transformer/ and transformer_2/, or preset wan2.2-t2v-a14b); this one has one "
+                        f"transformer: set model.experts.train=both")
     if m.lora.rank > 0:
         lora = lora_section(m.lora, family).to_dict()
     else:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from leangrpo_mcore.config.schema import Config
 from leangrpo_mcore.diffusion.sampler import (RolloutInputs, RolloutLoop, SDEParams, draw_rollout_inputs,
                                               rollout_together)
-from leangrpo_mcore.diffusion.selection import check_selection, num_selected
+from leangrpo_mcore.diffusion.selection import ExpertSteps, check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.diffusion.window import SDEWindow, compress_after_window, optimizer_steps_before
 from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
@@ -136,6 +136,8 @@ class StepPlan:
     FlowGRPO-Fast's random window per prompt group)."""
     ode_solver: str = "euler"
     """Solver of the ODE steps outside the SDE window: euler or dpmpp_2m."""
+    experts: Optional[ExpertSteps] = None
+    """A two-expert policy's split of the steps and which expert trains (None: one transformer)."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, latent_shape: tuple[int, ...], sigmas: torch.Tensor,
@@ -242,7 +244,36 @@ class StepPlan:
     def gather_mode(self, ctx: ParallelContext) -> str:
         """How FSDP2 gathers the parameters in a step: forward, rollout or step
         (:mod:`leangrpo_mcore.parallel.gathering`)."""
-        return gather_mode(self.reshard_after_forward, schedule=self.schedule, varies=self.selection_varies(ctx))
+        return gather_mode(self.reshard_after_forward, schedule=self.schedule, varies=self.selection_varies(ctx),
+                           experts=self.experts is not None)
+
+    def _check_experts(self, ctx: ParallelContext) -> None:
+        """Two experts: some selected step must run a trained expert, and when the data-parallel ranks train
+        different steps (so that one rank's update may run one expert while another's runs the other), no
+        collective may depend on which expert a rank runs (:func:`~leangrpo_mcore.parallel.gathering.gather_mode`)."""
+        sel, experts = self.selection, self.experts
+        candidates = torch.zeros(self.num_steps, dtype=torch.bool)
+        if sel["method"] == "flow_grpo":
+            candidates[:num_selected("flow_grpo", self.num_steps, sel["fraction"])] = True
+        else:
+            candidates[:-1] = True
+        if not bool((experts.trained(self.sigmas) & candidates).any()):
+            raise ValueError(f"model.experts.train={experts.train}: no step that grpo.timestep_selection="
+                             f"{sel['method']} may select runs the {experts.train}-noise expert")
+        if ctx.dp_size == 1 or not self.selection_varies(ctx):
+            return
+        if self.updates_per_rollout > 1:
+            raise ValueError(f"with two experts and {sel['method']} selection the data-parallel ranks may run "
+                             "different experts in an update: a later update's recompute would gather them apart; "
+                             "set grpo.updates_per_rollout=1")
+        why = (f"with two experts and {sel['method']} selection the data-parallel ranks may run different experts "
+               "in an update")
+        if self.gather_mode(ctx) != "step" and not (self.schedule == "reweight" and self.gather_mode(ctx) == "rollout"):
+            raise ValueError(f"{why}: their FSDP2 gathers would pair different experts' blocks; set "
+                             "parallel.reshard_after_forward=false (or auto)")
+        if self.sync_mode() == "per_backward":
+            raise ValueError(f"{why}: their per-backward reduce-scatters would pair different experts' gradients; "
+                             "set schedule.coalesce_sync=true")
 
     def schedule_options(self, name: str) -> dict:
         """Constructor options of schedule ``name``."""
@@ -274,6 +305,8 @@ class StepPlan:
             raise ValueError(f"Reweight with {sel['method']} selection trains different steps on different ranks: "
                              "its immediate backwards cannot regather FSDP2 blocks in step; set "
                              "parallel.reshard_after_forward=false, rollout or auto")
+        if self.experts is not None:
+            self._check_experts(ctx)
         if sel["method"] == "dance_grpo" and self.micro_batch > 1:
             raise ValueError("dance_grpo selection trains different steps per sample: use schedule.micro_batch=1")
         if self.prompts_per_step % self.updates_per_rollout:
@@ -416,7 +449,8 @@ class StepEngine:
         """Told of every phase of a step entered and left (see :class:`PhaseTimer`)."""
 
     def _schedule(self, name: str, timer: PhaseTimer):
-        sync = GradSync(self.policy, self.ctx, mode=self.plan.sync_mode(), phase=timer.phase)
+        sync = GradSync(self.policy, self.ctx, mode=self.plan.sync_mode(), phase=timer.phase,
+                        dense=self.plan.experts is not None)
         context = ScheduleContext(velocity_fn=self.velocity_fn, sde=self.plan.sde, objective=self.plan.objective,
                                   grad_sync=sync, precision=self.precision, phase=timer.phase)
         return build_schedule(name, context, **self.plan.schedule_options(name))
@@ -589,6 +623,8 @@ class StepEngine:
         if steps < plan.num_steps:
             draws = RolloutInputs(init_latents=draws.init_latents, selected=draws.selected[:, :steps],
                                   sde_steps=draws.sde_steps[:, :steps], noise_seeds=draws.noise_seeds[:, :steps])
+        if plan.experts is not None and plan.experts.train != "both":  # only the trained expert's steps train
+            draws = dataclasses.replace(draws, selected=draws.selected & plan.experts.trained(sigmas))
         return sigmas, draws
 
     def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:

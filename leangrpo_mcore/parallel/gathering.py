@@ -39,13 +39,15 @@ def selection_varies_across_ranks(method: str, *, layout: str, group_size: int, 
     return True
 
 
-def gather_mode(reshard_after_forward: ReshardValue, *, schedule: str, varies: bool) -> str:
+def gather_mode(reshard_after_forward: ReshardValue, *, schedule: str, varies: bool, experts: bool = False) -> str:
     """The gathering mode of ``parallel.reshard_after_forward`` (one of :data:`GATHER_MODES`).
 
     An unresolved ``auto`` (a run the layout planner did not resolve, e.g. a benchmark that keeps the config's
     layout) gathers per forward, except for Reweight when ranks train different steps, which keeps the step's
     parameters gathered: its immediate backwards would otherwise pair one rank's backward all-gathers with
-    another rank's forward all-gathers of other blocks.
+    another rank's forward all-gathers of other blocks. A two-expert policy (``experts``) whose ranks train
+    different steps keeps them gathered under every schedule: one rank's update may run the high-noise expert
+    while another's runs the low-noise one, and only gathered units issue no all-gather that would pair them.
     """
     if reshard_after_forward is True:
         return "forward"
@@ -54,7 +56,7 @@ def gather_mode(reshard_after_forward: ReshardValue, *, schedule: str, varies: b
     if reshard_after_forward == "rollout":
         return "rollout"
     if reshard_after_forward in (None, "auto"):
-        return "step" if schedule == "reweight" and varies else "forward"
+        return "step" if varies and (schedule == "reweight" or experts) else "forward"
     raise ValueError(f"parallel.reshard_after_forward must be true, false, rollout or auto, got "
                      f"{reshard_after_forward!r}")
 

@@ -79,10 +79,14 @@ class GradSync:
     """Gradient synchronisation of one policy (plain module or FSDP2 root) over data parallelism."""
 
     def __init__(self, model: torch.nn.Module, ctx: ParallelContext, *, mode: str = "coalesced",
-                 phase: PhaseFn = _no_phase) -> None:
+                 phase: PhaseFn = _no_phase, dense: bool = False) -> None:
         if mode not in SYNC_MODES:
             raise ValueError(f"unknown gradient sync mode {mode!r}; valid: {', '.join(SYNC_MODES)}")
         self.model, self.ctx, self.mode, self.phase = model, ctx, mode, phase
+        self.dense = dense
+        """The ranks' local gradients may cover different parameters (two experts: a rank whose samples ran one
+        expert has no gradient of the other): every reduction covers every trainable parameter, zeros where this
+        rank has none, and every rank reduces at least once per update."""
         self.fsdp = is_fsdp(model)
         if ctx.fsdp_shard_size * int(ctx.layout.dp_replicate) > 1 and not self.fsdp:
             raise ValueError("data and context parallelism need an FSDP2-wrapped policy (parallel.fsdp.apply_fsdp)")
@@ -203,6 +207,8 @@ class GradSync:
                 self._pending = grads_add_(self._pending, grads) if self._pending is not None else list(grads)
 
     def _reduce_fsdp(self, grads: LocalGrads) -> None:
+        if self.dense:
+            grads = [g if g is not None else self._zeros(fp, grads) for fp, g in zip(self._fsdp_params, grads)]
         entries = [(fp, g) for fp, g in zip(self._fsdp_params, grads) if g is not None]
         if not entries:
             return
@@ -231,6 +237,14 @@ class GradSync:
             offset += width
 
     @staticmethod
+    def _zeros(fp, grads: LocalGrads) -> torch.Tensor:
+        """A zero local gradient of FSDP2 parameter ``fp``, in the dtype of the others (or the one a backward
+        would leave: the reduce dtype, else the compute dtype)."""
+        like = next((g for g in grads if g is not None), None)
+        dtype = like.dtype if like is not None else (fp.reduce_dtype or fp.param_dtype or fp.sharded_param.dtype)
+        return torch.zeros(fp.sharded_param.shape, dtype=dtype, device=fp.sharded_param.device)
+
+    @staticmethod
     def _accumulate_sharded(fp, local: torch.Tensor) -> None:
         param = fp.sharded_param
         if param.grad is None:
@@ -241,7 +255,8 @@ class GradSync:
     def finish(self) -> None:
         """Reduce whatever is still local (coalesced mode) and publish the reduced gradients."""
         local = self.take_local()
-        if any(g is not None for g in local):
+        if any(g is not None for g in local) or (self.dense and self.fsdp and self.mode == "coalesced"
+                                                         and self.num_reductions == 0):
             self.reduce_local(local)
         if not self.fsdp and self._pending is not None:
             for p, g in zip(self.params, self._pending):

@@ -419,8 +419,10 @@ class ReweightSchedule(Schedule):
             if s_acc is not None:
                 terms.append((group.alpha * shift + group.gamma, s_acc))
         else:
+            # a sample without a trained step (two experts: all its selected steps run the frozen one) has none
             terms = [(float(a), self._take((group.index, mb, row)))
-                     for mb, adv in enumerate(group.advantages) for row, a in enumerate(adv.tolist())]
+                     for mb, (adv, traj) in enumerate(zip(group.advantages, group.trajectories))
+                     for row, a in enumerate(adv.tolist()) if bool(traj.selected[row].any())]
         return _scaled_sum(terms) if terms else None
 
     def _take(self, sample: tuple[int, int, int]) -> LocalGrads:
@@ -439,8 +441,11 @@ class ReweightSchedule(Schedule):
             kl = self._kl.pop(key, None)
             if kl is not None:
                 combined = kl if combined is None else grads_add_(combined, kl)
+        sync = self.ctx.grad_sync
+        if combined is None and kl_group is not None and sync.dense:  # the other ranks reduce this group: join
+            combined = [None] * len(sync.params)
         if combined is not None:
-            self.ctx.grad_sync.reduce_local(self._to_slot(combined))
+            sync.reduce_local(self._to_slot(combined))
 
     def finish_update(self) -> UpdateStats:
         """Apply the global α to the folded sum, reduce what is left, publish the gradients."""

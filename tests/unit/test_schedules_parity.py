@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from leangrpo_mcore.diffusion.sampler import SDEParams
+from leangrpo_mcore.diffusion.selection import ExpertSteps
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import FluxVelocity, SD3Velocity, WanVelocity
@@ -81,6 +82,10 @@ class Case:
     """sampler.ode_steps_after_window (0: no compression)."""
     step: int = 5
     """The training step number (seeds; a progressive window's position)."""
+    experts: Optional[str] = None
+    """Wan only: a two-expert policy (the tiny Wan2.2-A14B, boundary 0.875) training ``both``, ``high`` or ``low``."""
+    max_grad_norm: float = 1.0
+    """optim.max_grad_norm (0: no clipping, the optimizer sees the reduced gradients themselves)."""
 
     def but(self, **changes) -> "Case":
         """A copy with ``changes``."""
@@ -113,6 +118,8 @@ class Outcome:
     """(P, M) clamped advantages of the step."""
     components: Optional[np.ndarray] = None
     """(P, M, K) component rewards (reward.aggregate=advantages), else None."""
+    frozen: Optional[dict[str, np.ndarray]] = None
+    """The frozen parameters after all optimizer steps (full tensors), by name."""
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -139,7 +146,8 @@ def _setup(case: Case, pp_rank: int = 0):
     from leangrpo_mcore.models.common.tp import full_shape, shard_tensor
 
     heads = {} if case.heads is None else {"num_attention_heads": case.heads}
-    policy = build_policy({"family": case.family, "preset": "tiny", **heads}, seed=0, backend="local")
+    preset = "wan-tiny-a14b" if case.experts else "tiny"
+    policy = build_policy({"family": case.family, "preset": preset, **heads}, seed=0, backend="local")
     if case.lora:
         apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, targets=("to_q", "to_v")), seed=0)
         mark_only_lora_trainable(policy)
@@ -148,6 +156,10 @@ def _setup(case: Case, pp_rank: int = 0):
             for name, param in policy.named_parameters():
                 if "lora_B" in name:  # drawn at full size, then sliced: the same adapters at every TP size
                     param.copy_(shard_tensor(0.3 * torch.randn(full_shape(param), generator=gen), param))
+    if case.experts not in (None, "both"):
+        from leangrpo_mcore.engine.build import freeze_experts
+
+        freeze_experts(policy, case.experts)
     if case.pp > 1:
         policy = _stage_of(policy, case, pp_rank)
     gen = torch.Generator().manual_seed(11)
@@ -222,11 +234,14 @@ def run_case(case: Case, reward_fn=None) -> Outcome:
                    "window_range": case.window_range},
         advantage=case.advantage, adv_clip_max=case.adv_clip_max, global_std=case.global_std, layout=case.layout,
         micro_batch=case.micro_batch, updates_per_rollout=case.updates, sync=case.sync,
-        reweight_accumulate=case.accumulate, max_grad_norm=1.0, seed=3, reshard_after_forward=case.reshard,
+        reweight_accumulate=case.accumulate, max_grad_norm=case.max_grad_norm, seed=3,
+        reshard_after_forward=case.reshard,
         async_scoring=case.async_scoring, reward_weights=case.reward_weights,
         window=SDEWindow(size=case.window, low=case.window_range[0], high=case.window_range[1],
                          schedule=case.window_schedule, ode_steps_after=case.ode_after),
         ode_solver=case.ode_solver,
+        # the velocity function's timestep convention (WanVelocity's default: sigma x 1000)
+        experts=None if case.experts is None else ExpertSteps(875.0, "wan", case.experts),
     )
     named = [(name, p) for name, p in policy.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
@@ -242,7 +257,8 @@ def run_case(case: Case, reward_fn=None) -> Outcome:
                    buffers=result.updates[0].max_local_grad_buffers,
                    grad_norms=[u.grad_norm for u in result.updates], losses=[u.loss for u in result.updates],
                    advantages=result.advantages.numpy(),
-                   components=None if result.component_rewards is None else result.component_rewards.numpy())
+                   components=None if result.component_rewards is None else result.component_rewards.numpy(),
+                   frozen={name: _full(p, p) for name, p in policy.named_parameters() if not p.requires_grad})
 
 
 def rel_l2(a: list[np.ndarray], b: list[np.ndarray]) -> float:

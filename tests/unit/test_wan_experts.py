@@ -10,12 +10,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransform
 
 from leangrpo_mcore.cli.convert import main as convert_main
 from leangrpo_mcore.diffusion.sampler import SDEParams, rollout
-from leangrpo_mcore.diffusion.sigmas import get_sigmas, timesteps_from_sigmas
+from leangrpo_mcore.diffusion.selection import ExpertSteps
+from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import WanVelocity
 from leangrpo_mcore.models import build_policy, load_policy
 from leangrpo_mcore.models.wan import PRESETS, WanConfig, WanExperts
-from leangrpo_mcore.models.wan.experts import high_noise_steps
+from leangrpo_mcore.models.wan.experts import boundary_timestep
 
 BOUNDARY, SHIFT, STEPS, CFG = 0.875, 5.0, 6, 4.0
 
@@ -85,8 +86,11 @@ def test_rollout_equals_wan_pipeline_with_two_experts(pipeline_root, policy):
     assert theirs[::2] == theirs[1::2] == ours
     switch = ours.index("low")
     assert 0 < switch < STEPS and ours == ["high"] * switch + ["low"] * (STEPS - switch)
-    assert high_noise_steps(timesteps_from_sigmas(sigmas[:-1], "wan"), BOUNDARY).tolist() == [
-        name == "high" for name in ours]
+    # the steps the engine trains for each experts.train are the ones the policy routes to that expert
+    routed = [name == "high" for name in ours]
+    steps = {train: ExpertSteps(boundary_timestep(BOUNDARY), "wan", train).trained(sigmas).tolist()
+             for train in ("both", "high", "low")}
+    assert steps == {"both": [True] * STEPS, "high": routed, "low": [not r for r in routed]}
     assert pipe.scheduler.timesteps[switch - 1] >= BOUNDARY * 1000 > pipe.scheduler.timesteps[switch]
     err = (traj.final_latents - expected).abs().max() / expected.abs().max()
     assert err <= 1e-5, err

@@ -34,11 +34,6 @@ def boundary_timestep(boundary_ratio: float) -> float:
     return boundary_ratio * NUM_TRAIN_TIMESTEPS
 
 
-def high_noise_steps(timesteps: torch.Tensor, boundary_ratio: float) -> torch.Tensor:
-    """(T,) bool: which scheduler timesteps (float32, as the policy receives them) run the high-noise expert."""
-    return timesteps.to(torch.float32) >= boundary_timestep(boundary_ratio)
-
-
 class WanExperts(PolicyMixin, nn.Module):
     """Two Wan transformers (``high``, ``low``) behind one forward that routes each sample by its timestep."""
 
