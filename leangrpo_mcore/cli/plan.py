@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # Flags that a YAML config sets itself: with --config they come from it (use dotted overrides instead).
 WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_size", "prompts_per_step",
                   "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp", "pp",
-                  "reshard_after_forward")
+                  "reshard_after_forward", "experts_train")
 RESHARD_FLAG = {"auto": "auto", "true": True, "false": False, "rollout": "rollout"}
 # FLUX.1-dev is guidance-distilled; Wan samples with CFG 5, SD3.5-M with FlowGRPO's 4.5
 DEFAULT_CFG_SCALE = {"flux": 1.0, "sd3": 4.5, "wan": 5.0}
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reshard-after-forward", choices=tuple(RESHARD_FLAG),
                    help="FSDP2 gathering as parallel.reshard_after_forward: true (every forward), rollout (once per "
                         "rollout), false (once per step); default auto: the planner decides")
+    p.add_argument("--experts-train", choices=("both", "high", "low"),
+                   help="two-expert models (wan2.2-t2v-a14b): which experts learn, as model.experts.train (default "
+                        "both); --selected-steps then counts the trained expert's steps")
     p.add_argument("--kl-beta", type=float, help="KL coefficient (default 0)")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance (> 1 doubles every forward; "
                                                    "default 1 for FLUX, 5 for Wan)")
@@ -137,7 +140,8 @@ def workload_from_args(args: argparse.Namespace, world_size: int) -> Workload:
         activation_checkpointing=ac, kl_beta=_pick(args.kl_beta, 0.0),
         reshard_after_forward=RESHARD_FLAG[_pick(args.reshard_after_forward, "auto")],
         cfg=_pick(args.cfg_scale, DEFAULT_CFG_SCALE[arch.family]) > 1.0, reward_seconds=args.reward_seconds,
-        reward_mem_bytes=int(args.reward_mem_gb * GiB), decode_bytes=int(args.decode_mem_gb * GiB))
+        reward_mem_bytes=int(args.reward_mem_gb * GiB), decode_bytes=int(args.decode_mem_gb * GiB),
+        experts_train=_pick(args.experts_train, "both"))
 
 
 def _config_workload(args: argparse.Namespace, path: str) -> tuple[Workload, dict]:

@@ -42,6 +42,13 @@ BUILTIN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824,
         "num_layers": 40, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
     }),
+    # two experts of Wan2.1-14B's shape; the high-noise one runs the steps with t >= 875 (model_index.json)
+    "wan2.2-t2v-a14b": ("wan", {
+        "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128,
+        "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824,
+        "num_layers": 40, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+        "boundary_ratio": 0.875,
+    }),
     "wan2.2-ti2v-5b": ("wan", {
         "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 24, "attention_head_dim": 128,
         "in_channels": 48, "out_channels": 48, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 14336,
@@ -137,6 +144,9 @@ class ArchSpec:
     root: tuple[LinearSpec, ...]
     root_norm_params: int
     blocks: tuple[BlockSpec, ...]
+    experts: int = 1
+    """Transformers of this architecture the policy holds (Wan2.2-A14B: 2, a step runs one of them); the counts
+    below (parameters, FLOPs) are one expert's."""
 
     @property
     def num_layers(self) -> int:
@@ -192,6 +202,11 @@ def params_per_rank(arch: ArchSpec, tp: int) -> int:
     """Parameters a TP rank holds before FSDP sharding (its slice of the sharded ones plus the replicated ones)."""
     counts = param_counts(arch)
     return -(-counts["tp_sharded"] // tp) + counts["replicated"]
+
+
+def stored_params_per_rank(arch: ArchSpec, tp: int) -> int:
+    """Parameters a TP rank holds of every expert before FSDP sharding (:func:`params_per_rank` x experts)."""
+    return params_per_rank(arch, tp) * arch.experts
 
 
 def largest_block_params(arch: ArchSpec, tp: int) -> int:
@@ -379,7 +394,8 @@ def wan_spec(config: dict, name: str = "wan") -> ArchSpec:
                         attention=(("image", "image"), ("image", "text")), mlp_dim=ffn, stream="image"),)
     return ArchSpec(family="wan", name=name, config=dict(c), hidden_size=d, num_heads=heads,
                     head_dim=head_dim, latent_channels=in_ch, spatial_stride=vae_s * ph, temporal_stride=vae_t,
-                    temporal_patch=pt, vae_stride=vae_s, root=root, root_norm_params=2 * d, blocks=blocks)
+                    temporal_patch=pt, vae_stride=vae_s, root=root, root_norm_params=2 * d, blocks=blocks,
+                    experts=1 if c.get("boundary_ratio") is None else 2)
 
 
 def _sd3_block(c: dict, *, dual: bool, last: bool) -> tuple[LinearSpec, ...]:
@@ -461,7 +477,11 @@ def load_arch(model: str) -> ArchSpec:
         family, config = BUILTIN_PRESETS[model]
         return arch_from_config(family, config, model)
     path = model
+    experts = {}
     if os.path.isfile(os.path.join(path, "model_index.json")) and os.path.isdir(os.path.join(path, "transformer")):
+        index = _read_json(os.path.join(path, "model_index.json"))
+        if index.get("boundary_ratio") is not None and (index.get("transformer_2") or [None])[0] is not None:
+            experts = {"boundary_ratio": index["boundary_ratio"]}  # two experts of transformer/'s architecture
         path = os.path.join(path, "transformer")  # a diffusers pipeline root: its policy
     if os.path.isdir(path):
         ours = os.path.join(path, "leangrpo_model.json")
@@ -471,7 +491,7 @@ def load_arch(model: str) -> ArchSpec:
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         raise UserError(f"unknown model {model!r}: not one of {sorted(BUILTIN_PRESETS)} and no config file there")
-    config = _read_json(path)
+    config = {**_read_json(path), **experts}
     return arch_from_config(family_of_class(config.get("_class_name")), config, os.path.basename(model.rstrip("/")))
 
 

@@ -46,6 +46,28 @@ def selected_steps_of(config: Any) -> int:
     return count
 
 
+def trained_steps_of(config: Any, arch: ArchSpec) -> int:
+    """The selected steps a sample trains: |S|, or with one expert of two trained (``model.experts.train``) those
+    of its steps that expert runs (on the config's sigma schedule; the most a sample can have where the
+    selection is drawn per sample or per group)."""
+    count = selected_steps_of(config)
+    train = config.model.experts.train
+    if arch.experts == 1 or train == "both":
+        return count
+    # Imported lazily (torch): the engine's own split of the steps between the experts.
+    from leangrpo_mcore.diffusion.selection import ExpertSteps
+    from leangrpo_mcore.diffusion.sigmas import get_sigmas
+    from leangrpo_mcore.engine.model_source import sampler_shift
+
+    s = config.sampler
+    sigmas = get_sigmas(s.sigma_schedule, s.num_steps, shift=sampler_shift(config))
+    trained = ExpertSteps(float(arch.config["boundary_ratio"]) * 1000, s.sigma_schedule, train).trained(sigmas)
+    if config.grpo.timestep_selection == "flow_grpo":
+        return max(1, int(trained[:count].sum()))
+    candidates = trained[:-1] if config.grpo.timestep_selection == "dance_grpo" else trained
+    return max(1, min(count, int(candidates.sum())))
+
+
 def reweight_plan_of(config: Any):
     """The schedule's own Reweight plan for ``config`` (accumulation after any fallback, global fold, note)."""
     # Imported lazily (torch): the schedule's own rule for when affine accumulation falls back to per-sample.
@@ -95,7 +117,7 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
     targets = DEFAULT_LORA_TARGETS[arch.family] if m.lora.targets is None else tuple(m.lora.targets)
     scorer = reward_memory(config.reward)
     return Workload(
-        arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=selected_steps_of(config),
+        arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=trained_steps_of(config, arch),
         group_size=config.grpo.group_size, prompts_per_step=config.grpo.prompts_per_step,
         micro_batch=config.schedule.micro_batch, lora_rank=m.lora.rank, lora_targets=targets,
         precision=precision_from_config(config),
@@ -109,7 +131,8 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
         reweight_accumulate=reweight_plan_of(config).accumulate, coalesce_sync=config.schedule.coalesce_sync,
         global_std=config.grpo.global_std, reweight_global_fold=reweight_plan_of(config).global_fold,
         reweight_note=reweight_plan_of(config).note,
-        layout=config.parallel.layout, async_scoring=config.reward.async_scoring)
+        layout=config.parallel.layout, async_scoring=config.reward.async_scoring,
+        experts_train=config.model.experts.train)
 
 
 def _reshard(value: Any) -> Any:

@@ -36,6 +36,7 @@ from leangrpo_mcore.planner.arch_specs import (
     params_per_rank,
     self_attention_exchange_elements,
     stage_spec,
+    stored_params_per_rank,
     tp_allreduce_elements,
 )
 from leangrpo_mcore.planner.gather_cost import full_gathers, gather_seconds, gathered_elements, mode_of, refused_mode
@@ -76,10 +77,11 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
     prec, s, shape = work.precision, layout.shard_ranks, sample_shape(work, layout)
     arch = stage_spec(work.arch, layout.pp, stage)
     cp = layout.cp
-    params = params_per_rank(arch, layout.tp)
-    trainable = params if work.full_finetune else lora_params_per_rank(
-        arch, work.lora_rank, work.lora_targets, layout.tp)
-    frozen = 0 if work.full_finetune else params
+    params = stored_params_per_rank(arch, layout.tp)
+    trainable = _trainable_per_rank(work, arch, layout.tp)
+    # a LoRA base and a frozen expert (its adapters too) are kept in the compute dtype (engine/build.py)
+    frozen = params - (trainable if work.full_finetune else 0) + (
+        0 if work.full_finetune else trainable // work.trained_experts * (arch.experts - work.trained_experts))
     opt_bytes = {"adamw": 2 * prec.storage_bytes, "sgd": prec.storage_bytes if work.momentum else 0}[work.optimizer]
     gathered_rollout, gathered_update = gathered_elements(arch, layout, mode)
     # FSDP2 stages one block's unsharded gradient before reducing it; without FSDP (no rank outside TP) the
@@ -113,7 +115,7 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
         "grads": math.ceil(trainable * prec.grad_bytes / s),
         "gathered_rollout": gathered_rollout * prec.compute_bytes,
         "gathered_update": gathered_update * prec.compute_bytes,
-        "reference": math.ceil(params * prec.compute_bytes / s) if work.kl_beta > 0 and work.full_finetune else 0,
+        "reference": math.ceil(trainable * prec.compute_bytes / s) if work.kl_beta > 0 and work.full_finetune else 0,
         "reserved": hw.overhead_bytes + work.reward_mem_bytes,
         "reward_model": work.reward_model_bytes if scores else 0,
         "reward_activations": work.reward_activation_bytes if scores else 0,
@@ -135,6 +137,13 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
         # stage k holds up to pp - k one-sample graphs (one at pp = 1)
         "in_flight_samples": min(layout.pp - stage, shape.generations_per_rank * _reweight_parts(work, layout.pp)),
     }
+
+
+def _trainable_per_rank(work: Workload, arch: ArchSpec, tp: int) -> int:
+    """Trainable parameters a TP rank holds before FSDP sharding: the trained experts' weights, or their adapters."""
+    per_expert = params_per_rank(arch, tp) if work.full_finetune else lora_params_per_rank(
+        arch, work.lora_rank, work.lora_targets, tp)
+    return per_expert * work.trained_experts
 
 
 def _reweight_parts(work: Workload, pp: int) -> int:
@@ -284,7 +293,7 @@ def _sync_seconds(work: Workload, hw: Hardware, layout: Layout, trainable: int, 
     collective per FSDP unit)."""
     payload = trainable * work.precision.buffer_bytes
     s, r = layout.shard_ranks, layout.dp_replicate
-    units = sum(block.count for block in arch.blocks) + 1
+    units = (sum(block.count for block in arch.blocks) + 1) * work.trained_experts
     seconds = (s - 1) / s * payload / (hw.reduce_scatter_rate * 1e9) + (units * hw.collective_latency_s if s > 1
                                                                       else 0.0)
     replica_bw = hw.inter_node_gbps if layout.stage_ranks > hw.gpus_per_node else hw.intra_node_gbps
@@ -403,8 +412,7 @@ def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac:
     rates, n, mb = _rates(work, hw, layout, ac, arch), shape.samples, shape.micro_batches
     steps, extra = work.selected_steps, work.updates_per_rollout - 1
     kl = work.kl_beta > 0
-    trainable = params_per_rank(arch, layout.tp) if work.full_finetune else lora_params_per_rank(
-        arch, work.lora_rank, work.lora_targets, layout.tp)
+    trainable = _trainable_per_rank(work, arch, layout.tp)
     forwards, backwards = _passes(work, schedule, layout.pp)
     # Reweight runs each trained sample's forward and backward alone (batch 1) whatever the micro-batch B: B
     # per-sample forwards and backwards, the work charged per sample below (no B backwards of a batched graph).

@@ -12,7 +12,7 @@ buffer even over a one-rank shard group), and each unit's collective pays the la
 from __future__ import annotations
 
 from leangrpo_mcore.parallel.gathering import GATHER_MODES, gather_mode, selection_varies_across_ranks
-from leangrpo_mcore.planner.arch_specs import ArchSpec, largest_block_params, params_per_rank
+from leangrpo_mcore.planner.arch_specs import ArchSpec, largest_block_params, params_per_rank, stored_params_per_rank
 from leangrpo_mcore.planner.workload import Hardware, Layout, Shape, Workload
 
 __all__ = ["GATHER_MODES", "mode_of", "gathered_elements", "full_gathers", "gather_seconds", "refused_mode"]
@@ -21,7 +21,8 @@ __all__ = ["GATHER_MODES", "mode_of", "gathered_elements", "full_gathers", "gath
 def mode_of(work: Workload, layout: Layout, schedule: str) -> str:
     """The gathering mode ``work`` runs ``schedule`` with on ``layout`` (an unresolved ``auto``: the engine's
     fallback, :func:`~leangrpo_mcore.parallel.gathering.gather_mode`)."""
-    return gather_mode(work.reshard_after_forward, schedule=schedule, varies=_varies(work, layout))
+    return gather_mode(work.reshard_after_forward, schedule=schedule, varies=_varies(work, layout),
+                       experts=work.arch.experts > 1)
 
 
 def _varies(work: Workload, layout: Layout) -> bool:
@@ -34,15 +35,25 @@ def refused_mode(work: Workload, layout: Layout, schedule: str, mode: str) -> st
     if mode == "forward" and schedule == "reweight" and layout.dp_shard > 1 and _varies(work, layout):
         return (f"Reweight with {work.selection} selection trains different steps on different ranks: its "
                 f"immediate backwards cannot regather FSDP2 blocks in step")
+    if work.arch.experts > 1 and layout.dp > 1 and _varies(work, layout):
+        # the engine's rule (engine/step.py): ranks may run different experts in one update
+        why = f"two experts with {work.selection} selection: the ranks may run different experts in an update"
+        if mode != "step" and not (schedule == "reweight" and mode == "rollout"):
+            return f"{why}, so the units must stay gathered for the step"
+        if schedule == "native" and not work.coalesce_sync:
+            return f"{why}, so Native must coalesce its gradient sync (schedule.coalesce_sync)"
+        if work.updates_per_rollout > 1:
+            return f"{why}, so a later update's recompute cannot regather them (grpo.updates_per_rollout 1)"
     return ""
 
 
 def gathered_elements(arch: ArchSpec, layout: Layout, mode: str) -> tuple[int, int]:
-    """(during a rollout, during an update) gathered parameter elements per rank of ``arch`` (0 without FSDP)."""
+    """(during a rollout, during an update) gathered parameter elements per rank of ``arch`` (0 without FSDP); a
+    forward gathers one expert's units, a rollout passes through every expert."""
     if not layout.fsdp:
         return 0, 0
     root = sum(lin.params for lin in arch.root)
-    everything = params_per_rank(arch, layout.tp)
+    everything = stored_params_per_rank(arch, layout.tp)
     few = min(2 * largest_block_params(arch, layout.tp) + root, everything)
     return (few if mode == "forward" else everything), (everything if mode == "step" else few)
 
@@ -57,21 +68,22 @@ def full_gathers(work: Workload, shape: Shape, schedule: str, mode: str, forward
     reference forwards, later updates; Reweight's trained passes run inside its rollout).
     """
     mb, n, steps = shape.micro_batches, shape.samples, work.selected_steps
-    extra = work.updates_per_rollout - 1
+    extra, experts = work.updates_per_rollout - 1, work.arch.experts
+    # counted in gathers of one expert: a pass runs one, a step's or rollout's gathering covers them all
     if mode == "step":
-        return float(1 + extra)
+        return float((1 + extra) * experts)
     if mode == "forward":
         if schedule != "reweight":
             return float(mb * (forwards + backwards))
         alone = forwards - work.num_steps + steps  # the per-sample passes gather once per sample
         return float(mb * (forwards - alone) + n * (alone + backwards))
     if schedule == "reweight":
-        return float(shape.groups_per_rank + mb * 2 * steps * extra)
-    return float(shape.groups_per_rank + mb * (forwards - work.num_steps + backwards))
+        return float(shape.groups_per_rank * experts + mb * 2 * steps * extra)
+    return float(shape.groups_per_rank * experts + mb * (forwards - work.num_steps + backwards))
 
 
 def gather_seconds(work: Workload, hw: Hardware, layout: Layout, arch: ArchSpec) -> float:
-    """Seconds of one all-gather of every FSDP unit of ``arch`` on a rank (0 without FSDP)."""
+    """Seconds of one all-gather of every FSDP unit of ``arch`` (one expert's) on a rank (0 without FSDP)."""
     if not layout.fsdp:
         return 0.0
     data = params_per_rank(arch, layout.tp) * work.precision.compute_bytes

@@ -164,6 +164,9 @@ class Workload:
     """Why Reweight's accumulation fell back from ``affine`` (empty when it did not)."""
     async_scoring: bool = False
     """reward.async_scoring (the trainer refuses it with context parallelism, so the planner offers no cp > 1)."""
+    experts_train: str = "both"
+    """model.experts.train of a two-expert policy: both, high or low (``selected_steps`` then counts only the
+    trained expert's steps)."""
 
     def __post_init__(self) -> None:
         if min(self.num_steps, self.selected_steps, self.group_size, self.prompts_per_step, self.micro_batch) < 1:
@@ -172,11 +175,18 @@ class Workload:
             raise UserError(f"selected steps ({self.selected_steps}) exceed the steps ({self.num_steps})")
         if self.updates_per_rollout < 1 or self.lora_rank < 0 or self.kl_beta < 0 or self.reward_seconds < 0:
             raise UserError("updates per rollout >= 1, LoRA rank >= 0, KL beta >= 0 and reward time >= 0 needed")
+        if self.experts_train != "both" and self.arch.experts == 1:
+            raise UserError(f"experts train {self.experts_train}: {self.arch.name} has one transformer")
 
     @property
     def full_finetune(self) -> bool:
         """True without LoRA adapters."""
         return self.lora_rank == 0
+
+    @property
+    def trained_experts(self) -> int:
+        """Experts of the policy that learn (the others are frozen: no gradients, no optimizer state)."""
+        return self.arch.experts if self.experts_train == "both" else 1
 
 
 @dataclass(frozen=True)

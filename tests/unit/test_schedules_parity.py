@@ -200,12 +200,17 @@ def _stage_of(whole: torch.nn.Module, case: Case, pp_rank: int) -> torch.nn.Modu
 
     heads = {} if case.heads is None else {"num_attention_heads": case.heads}
     stage = split_blocks(whole.config.num_layers, case.pp)[pp_rank]
-    policy = build_policy({"family": case.family, "preset": "tiny", **heads}, seed=0, backend="local", stage=stage)
+    preset = "wan-tiny-a14b" if case.experts else "tiny"
+    policy = build_policy({"family": case.family, "preset": preset, **heads}, seed=0, backend="local", stage=stage)
     if case.lora:
         apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, targets=("to_q", "to_v")), seed=0, require_match=False)
         mark_only_lora_trainable(policy)
     values = whole.state_dict()
     policy.load_state_dict({name: values[name] for name in policy.state_dict()}, strict=True)
+    if case.experts not in (None, "both"):
+        from leangrpo_mcore.engine.build import freeze_experts
+
+        freeze_experts(policy, case.experts)
     return policy
 
 
