@@ -122,3 +122,24 @@ def test_plan_cli_plans_a14b_with_a_frozen_expert(capsys):
     assert main(["--model", "wan2.1-14b", "--gpus-per-node", "8", "--gpu-mem-gb", "80",
                  "--experts-train", "high"]) == 2
     assert "one transformer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_a14b_experiment_plans_on_8_to_64_gpus_and_needs_its_weights(capsys, tmp_path):
+    from leangrpo_mcore.cli.plan import main as plan_main
+    from leangrpo_mcore.cli.train import main as train_main
+
+    path = "yaml_configs/wan/flowgrpo_wan22_a14b.yaml"
+    config = load_config(path)
+    work = workload_from_config(config)
+    assert work.arch.experts == 2 and work.trained_experts == 2 and work.selected_steps == 8
+    assert (config.model.lora.rank, config.grpo.kl_beta, config.grpo.timestep_selection) == (32, 0.004, "flow_grpo")
+    for nodes in (1, 8):
+        assert plan_main(["--config", path, "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu-mem-gb", "80",
+                          "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["chosen"]["fits"]
+    assert train_main(["--config", path, f"train.output_dir={tmp_path / 'run'}"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == ["error: model.path is not set: preset wan2.2-t2v-a14b would RL-train a randomly initialised "
+                   "model; set model.path to the Wan2.2-T2V-A14B pipeline root (its transformer/ and transformer_2/ "
+                   "are the two experts) (or model.random_init: true on purpose)"]

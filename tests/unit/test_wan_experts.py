@@ -18,6 +18,8 @@ from leangrpo_mcore.models import build_policy, load_policy
 from leangrpo_mcore.models.wan import PRESETS, WanConfig, WanExperts
 from leangrpo_mcore.models.wan.experts import boundary_timestep
 
+pytestmark = pytest.mark.slow
+
 BOUNDARY, SHIFT, STEPS, CFG = 0.875, 5.0, 6, 4.0
 
 

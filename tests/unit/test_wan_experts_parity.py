@@ -9,6 +9,8 @@ import pytest
 from leangrpo_mcore.models import build_policy
 from tests.unit.test_schedules_parity import Case, bitwise, check_parity, rel_l2, run_case, run_three
 
+pytestmark = pytest.mark.slow
+
 # flow_grpo selection trains steps 0-2 of 4; on the Wan schedule (shift 3) step 0 runs the high-noise expert
 # (timestep 1000 >= 875), steps 1-3 the low-noise one (857, 667, 400)
 EXPERTS = Case(family="wan", experts="both", max_grad_norm=0.0)
