@@ -53,6 +53,12 @@ class Conditioning:
     """(B,) distilled-guidance scale (FLUX-dev), or None."""
     negative_pooled_projections: torch.Tensor | None = None
     """(B, P) pooled embedding of the negative prompt (SD3's classifier-free guidance), or None."""
+    image_latents: torch.Tensor | None = None
+    """(B, C', F', h, w) float32 latents of a Wan conditioning image as the policy reads them
+    (``data/wan_image.py``): the first-frame mask and image latents that a channel-concatenated I2V checkpoint
+    reads beside the noisy latents, or Wan2.2-TI2V's first latent frame (F' = 1); None without an image."""
+    image_embeds: torch.Tensor | None = None
+    """(B, I, D) CLIP tokens of the conditioning image (Wan2.1-I2V), or None."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -70,7 +76,7 @@ class Conditioning:
             )
         batch = self.num_samples
         for name, ndim in (("pooled_projections", 2), ("negative_encoder_hidden_states", 3), ("guidance", 1),
-                           ("negative_pooled_projections", 2)):
+                           ("negative_pooled_projections", 2), ("image_latents", 5), ("image_embeds", 3)):
             value = getattr(self, name)
             if value is not None:
                 _check_batch(f"conditioning.{name}", value, ndim, batch)

@@ -14,6 +14,7 @@ Sampler latents of FLUX are *packed* (B, (H/2)·(W/2), 4·C), exactly as FluxPip
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterator, Protocol
 
 import torch
@@ -151,38 +152,77 @@ class WanVelocity(_PolicyVelocity):
     The unconditional (``conditioning.negative_encoder_hidden_states``) and conditional branches run as
     one batch [uncond; cond] — one forward, one graph — and are combined in float32 as
     v = v_u + s·(v_c − v_u), the diffusers Wan pipeline's formula.
+
+    Image-to-video, as ``WanImageToVideoPipeline`` feeds its transformer: a channel-concatenated checkpoint (its
+    ``in_channels`` exceed its ``out_channels``) reads ``conditioning.image_latents`` (first-frame mask and image
+    latents) after the noisy latents along the channels, and a Wan2.1-I2V checkpoint the CLIP tokens
+    ``conditioning.image_embeds``, in both CFG branches. With ``first_frame`` (Wan2.2-TI2V's image-to-video) the
+    latents are the frames to generate: the image's latent frame (``conditioning.image_latents``, F' = 1) is put
+    in front of them, its tokens get timestep 0 and the others the step's, and the velocity returned is the
+    generated frames' (the image frame is never sampled).
     """
 
     family = "wan"
 
     def __init__(self, policy: torch.nn.Module, *, sigma_kind: str = "wan", cfg_scale: float = 1.0,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, first_frame: bool = False):
         super().__init__(policy, sigma_kind=sigma_kind, compute_dtype=compute_dtype)
         if cfg_scale < 1.0:
             raise ValueError(f"cfg_scale must be >= 1 (1 disables CFG), got {cfg_scale}")
         self.cfg_scale = float(cfg_scale)
+        self.first_frame = first_frame
 
     def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
         """(B, C, F, H, W) float32 velocity."""
         return self.velocity_from_output(self.policy(**self.policy_inputs(latents, sigma, conditioning)))
+
+    def _image_inputs(self, latents: torch.Tensor, timestep: torch.Tensor,
+                      conditioning: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the policy's hidden states, its timestep) with the conditioning image put where the policy reads it."""
+        dtype, image, config = self.compute_dtype, conditioning.image_latents, self.policy.config
+        hidden = latents.to(dtype)
+        if self.first_frame:
+            if image is None or image.shape[2] != 1:
+                raise ValueError("image-to-video from the first frame needs conditioning.image_latents (B, C, 1, h, w)")
+            if config.patch_size[0] != 1:
+                raise ValueError("image-to-video from the first frame needs a temporal patch of 1 (Wan2.2-TI2V's)")
+            hidden = torch.cat([image.to(dtype), hidden], dim=2)
+            per_frame = math.prod(s // p for s, p in zip(hidden.shape[3:], config.patch_size[1:]))
+            noisy = torch.ones(hidden.shape[2], per_frame, device=timestep.device)
+            noisy[0] = 0.0  # the image frame's tokens: timestep 0
+            return hidden, noisy.flatten()[None] * timestep[:, None]
+        wanted = getattr(config, "condition_channels", 0)
+        if wanted:
+            if image is None or image.shape[1] != wanted:
+                got = None if image is None else tuple(image.shape)
+                raise ValueError(f"this Wan I2V checkpoint reads {wanted} conditioning channels beside the noisy "
+                                 f"latents: conditioning.image_latents must be (B, {wanted}, F', h, w), got {got}")
+            hidden = torch.cat([hidden, image.to(dtype)], dim=1)
+        elif image is not None:
+            raise ValueError("conditioning.image_latents given to a text-to-video Wan policy without first_frame")
+        return hidden, timestep
 
     def policy_inputs(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> dict:
         """The keyword arguments of the policy forward: the batch, or [uncond; cond] under CFG."""
         sigma = _check_sigma(latents, sigma)
         dtype = self.compute_dtype
         context = conditioning.encoder_hidden_states.to(dtype)
-        timestep = self.timestep(sigma)
+        hidden, timestep = self._image_inputs(latents, self.timestep(sigma), conditioning)
+        clip = conditioning.image_embeds
+        extra = {} if clip is None else {"encoder_hidden_states_image": clip.to(dtype)}
         if self.cfg_scale == 1.0:
-            return dict(hidden_states=latents.to(dtype), timestep=timestep, encoder_hidden_states=context)
+            return dict(hidden_states=hidden, timestep=timestep, encoder_hidden_states=context, **extra)
         negative = conditioning.negative_encoder_hidden_states
         if negative is None:
             raise ValueError(f"cfg_scale {self.cfg_scale} needs conditioning.negative_encoder_hidden_states")
-        batch = latents.to(dtype)
-        return dict(hidden_states=torch.cat([batch, batch]), timestep=torch.cat([timestep, timestep]),
-                    encoder_hidden_states=torch.cat([negative.to(dtype), context]))
+        extra = {key: torch.cat([value, value]) for key, value in extra.items()}
+        return dict(hidden_states=torch.cat([hidden, hidden]), timestep=torch.cat([timestep, timestep]),
+                    encoder_hidden_states=torch.cat([negative.to(dtype), context]), **extra)
 
     def velocity_from_output(self, out: torch.Tensor) -> torch.Tensor:
-        """The float32 velocity of the policy's output (the CFG combination of both branches)."""
+        """The float32 velocity of the policy's output (the CFG combination of both branches; with
+        ``first_frame`` the generated frames only)."""
+        out = out[:, :, 1:] if self.first_frame else out
         if self.cfg_scale == 1.0:
             return out.to(torch.float32)
         uncond, cond = out.to(torch.float32).chunk(2)

@@ -66,9 +66,11 @@ class WanConfig(TransformerConfig):
     rope_max_seq_len: int = 1024
     """Positions per axis of the precomputed 3-D rotary table."""
     image_dim: Optional[int] = None
-    """Image-embedding width of the I2V variants (unsupported: must be None)."""
+    """Width of the CLIP image tokens of Wan2.1-I2V (1280: ViT-H/14's penultimate hidden states), embedded by
+    ``condition_embedder.image_embedder``; None: no image tokens."""
     added_kv_proj_dim: Optional[int] = None
-    """Image key/value projection width of the I2V variants (unsupported: must be None)."""
+    """Input width of the cross-attention's image key/value projections (``add_k_proj``/``add_v_proj``): the
+    embedded image tokens, so the model width; set with ``image_dim``."""
     pos_embed_seq_len: Optional[int] = None
     """Image positional-embedding length of the FLF2V variants (unsupported: must be None)."""
     boundary_ratio: Optional[float] = None
@@ -103,10 +105,16 @@ class WanConfig(TransformerConfig):
             raise UserError(f"Wan patch_size must be three positive ints, got {self.patch_size}")
         if self.qk_norm != QK_NORM_ACROSS_HEADS:
             raise UserError(f"Wan qk_norm {self.qk_norm!r} is not supported (only {QK_NORM_ACROSS_HEADS!r})")
-        unsupported = {k: getattr(self, k) for k in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")}
-        unsupported = {k: v for k, v in unsupported.items() if v is not None}
-        if unsupported:
-            raise UserError(f"Wan image conditioning (I2V/FLF2V) is not supported: {unsupported}")
+        if self.pos_embed_seq_len is not None:
+            raise UserError(f"Wan first-last-frame conditioning (FLF2V, pos_embed_seq_len="
+                            f"{self.pos_embed_seq_len}) is not supported")
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+            raise UserError("Wan image tokens need both image_dim and added_kv_proj_dim (the I2V checkpoints set both)")
+        if self.added_kv_proj_dim is not None and self.added_kv_proj_dim != self.hidden_size:
+            raise UserError(f"Wan added_kv_proj_dim {self.added_kv_proj_dim} must be the model width "
+                            f"{self.hidden_size}: the image keys and values project the embedded image tokens")
+        if self.in_channels < self.out_channels:
+            raise UserError(f"Wan in_channels {self.in_channels} < out_channels {self.out_channels}")
         if self.boundary_ratio is not None and not 0.0 < float(self.boundary_ratio) < 1.0:
             raise UserError(f"Wan boundary_ratio must be in (0, 1), got {self.boundary_ratio}")
         if self.recompute_granularity is not None:
@@ -163,9 +171,16 @@ class WanConfig(TransformerConfig):
         return cls(**kwargs)
 
     @property
+    def condition_channels(self) -> int:
+        """Channels concatenated to the noisy latents of a channel-concatenated I2V checkpoint (Wan2.1-I2V,
+        Wan2.2-I2V-A14B: a first-frame mask of ``vae_scale_factor_temporal`` channels and the image latents); 0
+        for text-to-video and Wan2.2-TI2V (whose image replaces the first latent frame instead)."""
+        return self.in_channels - self.out_channels
+
+    @property
     def diffusers_pipeline(self) -> str:
         """The diffusers pipeline class of this transformer (what an exported two-expert root names)."""
-        return "WanPipeline"
+        return "WanImageToVideoPipeline" if self.condition_channels else "WanPipeline"
 
     @property
     def experts(self) -> int:
@@ -233,3 +248,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESETS["wan-tiny-a14b"] = {**PRESETS["tiny"], "boundary_ratio": 0.875}
 """The tiny architecture as two experts (CPU tests of Wan2.2-A14B's routing)."""
+# Image-to-video: Wan2.1-I2V-14B (480P and 720P share it) concatenates a 4-channel first-frame mask and the 16
+# image-latent channels to the noisy latents and reads 257 CLIP ViT-H/14 tokens; Wan2.2-I2V-A14B concatenates the
+# same channels, has no CLIP tokens and two experts split at 0.9 (model_index.json).
+PRESETS["wan2.1-i2v-14b"] = {**_preset(heads=40, ffn_dim=13824, num_layers=40), "in_channels": 36,
+                             "image_dim": 1280, "added_kv_proj_dim": 5120}
+PRESETS["wan2.2-i2v-a14b"] = {**_preset(heads=40, ffn_dim=13824, num_layers=40), "in_channels": 36,
+                              "boundary_ratio": 0.9}
+PRESETS["wan-tiny-i2v"] = {**PRESETS["tiny"], "in_channels": 12, "image_dim": 20, "added_kv_proj_dim": 24}
+"""The tiny architecture with Wan2.1-I2V's conditioning (4 noisy + 4 mask + 4 image-latent channels, CLIP tokens)."""
+PRESETS["wan-tiny-i2v-a14b"] = {**PRESETS["tiny"], "in_channels": 12, "boundary_ratio": 0.9}
+"""The tiny architecture with Wan2.2-I2V-A14B's conditioning and two experts."""

@@ -24,12 +24,16 @@ from leangrpo_mcore.models.wan.config import DIFFUSERS_EXPERTS, WanConfig
 # (diffusers pattern, our pattern) and the inverse: blocks live in ``layers`` (so that ``WanModel.blocks()`` can
 # be a method), the Dropout slots of diffusers' Sequentials disappear; every other name is kept.
 _TO_MCORE = (
+    (r"^condition_embedder\.image_embedder\.ff\.net\.0\.proj\.", r"condition_embedder.image_embedder.fc1."),
+    (r"^condition_embedder\.image_embedder\.ff\.net\.2\.", r"condition_embedder.image_embedder.fc2."),
     (r"^blocks\.(\d+)\.attn([12])\.to_out\.0\.", r"layers.\1.attn\2.to_out."),
     (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"layers.\1.ffn.fc1."),
     (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"layers.\1.ffn.fc2."),
     (r"^blocks\.(\d+)\.", r"layers.\1."),
 )
 _TO_DIFFUSERS = (
+    (r"^condition_embedder\.image_embedder\.fc1\.", r"condition_embedder.image_embedder.ff.net.0.proj."),
+    (r"^condition_embedder\.image_embedder\.fc2\.", r"condition_embedder.image_embedder.ff.net.2."),
     (r"^layers\.(\d+)\.attn([12])\.to_out\.", r"blocks.\1.attn\2.to_out.0."),
     (r"^layers\.(\d+)\.ffn\.fc1\.", r"blocks.\1.ffn.net.0.proj."),
     (r"^layers\.(\d+)\.ffn\.fc2\.", r"blocks.\1.ffn.net.2."),
@@ -38,6 +42,8 @@ _TO_DIFFUSERS = (
 _PATCH_WEIGHT = "patch_embedding.weight"
 # Our fused projection of each attention -> the diffusers projections it interleaves per head, in order.
 FUSED = {"attn1": ("to_qkv", ("to_q", "to_k", "to_v")), "attn2": ("to_kv", ("to_k", "to_v"))}
+# The image keys and values of Wan2.1-I2V's cross-attention, fused the same way.
+ADDED_KV = ("attn2", "to_added_kv", ("add_k_proj", "add_v_proj"))
 
 
 def diffusers_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
@@ -55,6 +61,12 @@ def diffusers_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
     _add_linear(shapes, "condition_embedder.time_proj", dim, 6 * dim)
     _add_linear(shapes, "condition_embedder.text_embedder.linear_1", config.text_dim, dim)
     _add_linear(shapes, "condition_embedder.text_embedder.linear_2", dim, dim)
+    if config.image_dim is not None:
+        image = "condition_embedder.image_embedder"
+        for norm, width in (("norm1", config.image_dim), ("norm2", dim)):
+            shapes[f"{image}.{norm}.weight"] = shapes[f"{image}.{norm}.bias"] = (width,)
+        _add_linear(shapes, f"{image}.ff.net.0.proj", config.image_dim, config.image_dim)
+        _add_linear(shapes, f"{image}.ff.net.2", config.image_dim, dim)
     for i in range(config.num_layers):
         p = f"blocks.{i}"
         shapes[f"{p}.scale_shift_table"] = (1, 6, dim)
@@ -63,6 +75,10 @@ def diffusers_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
                 _add_linear(shapes, f"{p}.{attn}.{proj}", dim, dim)
             shapes[f"{p}.{attn}.norm_q.weight"] = (dim,)
             shapes[f"{p}.{attn}.norm_k.weight"] = (dim,)
+        if config.added_kv_proj_dim is not None:
+            _add_linear(shapes, f"{p}.attn2.add_k_proj", config.added_kv_proj_dim, dim)
+            _add_linear(shapes, f"{p}.attn2.add_v_proj", config.added_kv_proj_dim, dim)
+            shapes[f"{p}.attn2.norm_added_k.weight"] = (dim,)
         if config.cross_attn_norm:
             shapes[f"{p}.norm2.weight"] = (dim,)
             shapes[f"{p}.norm2.bias"] = (dim,)
@@ -105,8 +121,11 @@ def mcore_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
 
 def _fused_plan(config: WanConfig, shapes: dict[str, tuple[int, ...]]) -> dict[str, Assembly]:
     plan = {}
+    fusions = [(attn, fused, projections) for attn, (fused, projections) in FUSED.items()]
+    if config.added_kv_proj_dim is not None:
+        fusions.append(ADDED_KV)
     for i in range(config.num_layers):
-        for attn, (fused, projections) in FUSED.items():
+        for attn, fused, projections in fusions:
             for kind in ("weight", "bias"):
                 keys = [f"blocks.{i}.{attn}.{proj}.{kind}" for proj in projections]
                 sources = [Source(key, shapes[key], 0, shapes[key][0]) for key in keys]
@@ -143,7 +162,7 @@ def expert_plan(config: WanConfig) -> dict[str, Assembly]:
 
 def diffusers_to_mcore(state_dict: dict[str, torch.Tensor], config: WanConfig) -> dict[str, torch.Tensor]:
     """Map a FULL diffusers ``WanTransformer3DModel`` state dict to our parameter names and layouts."""
-    return assemble(state_dict, diffusers_plan(config), "Wan T2V diffusers")
+    return assemble(state_dict, diffusers_plan(config), "Wan diffusers")
 
 
 def mcore_to_diffusers(state_dict: dict[str, torch.Tensor], config: WanConfig) -> dict[str, torch.Tensor]:

@@ -64,10 +64,10 @@ class WanExperts(PolicyMixin, nn.Module):
         """Video tokens of a video (both experts patchify alike; see :meth:`WanModel.tokens_for`)."""
         return self.high.tokens_for(height, width, frames)
 
-    def boundary_shape(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                       encoder_hidden_states: torch.Tensor) -> tuple[int, int, int]:
+    def boundary_shape(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                       encoder_hidden_states_image: Optional[torch.Tensor] = None) -> tuple[int, int, int]:
         """The pipeline boundary of these arguments (the experts' boundaries are alike)."""
-        return self.high.boundary_shape(hidden_states, timestep, encoder_hidden_states)
+        return self.high.boundary_shape(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
 
     def routes_high(self, timestep: torch.Tensor, batch: int) -> torch.Tensor:
         """(B,) bool on the timestep's device: the samples the high-noise expert runs."""
@@ -75,33 +75,32 @@ class WanExperts(PolicyMixin, nn.Module):
         t = t.expand(batch) if t.ndim == 0 else t.reshape(batch, -1).amax(dim=1)
         return t >= boundary_timestep(self.config.boundary_ratio)
 
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                encoder_hidden_states_image: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Each sample's expert output (see :meth:`WanModel.forward`): one expert call when the batch shares its
         expert (a rollout step), a call per expert otherwise, the rows put back in order. Reads the routing on
         the host once per forward, as diffusers' pipeline does."""
         batch = hidden_states.shape[0]
         high = self.routes_high(timestep, batch)
         received = None if self.stage.pre_process else self._take_stage_input(self.stage)
+        inputs = (received, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
         every = bool(high.all())
         if every or not bool(high.any()):
-            return self._run("high" if every else "low", received, hidden_states, timestep, encoder_hidden_states)
+            return self._run("high" if every else "low", *inputs)
         rows = {"high": high.nonzero().flatten(), "low": (~high).nonzero().flatten()}
         outs = []
         for name, index in rows.items():
-            part = None if received is None else received.index_select(0, index)
-            ts = timestep if timestep.ndim == 0 else timestep.index_select(0, index)
-            outs.append(self._run(name, part, hidden_states.index_select(0, index), ts,
-                                  encoder_hidden_states.index_select(0, index)))
+            outs.append(self._run(name, *(t if t is None or t.ndim == 0 else t.index_select(0, index)
+                                          for t in inputs)))
         order = torch.argsort(torch.cat(list(rows.values())))
         return torch.cat(outs).index_select(0, order)
 
-    def _run(self, name: str, received: Optional[torch.Tensor], hidden_states: torch.Tensor,
-             timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    def _run(self, name: str, received: Optional[torch.Tensor], hidden_states: torch.Tensor, timestep: torch.Tensor,
+             encoder_hidden_states: torch.Tensor, image: Optional[torch.Tensor]) -> torch.Tensor:
         expert = self.expert(name)
         if received is not None:
             expert.set_input_tensor(received)
-        return expert(hidden_states, timestep, encoder_hidden_states)
+        return expert(hidden_states, timestep, encoder_hidden_states, image)
 
 
 def wan_policy(config: WanConfig, *, backend: str = "auto", stage: Optional[PipelineStage] = None) -> nn.Module:

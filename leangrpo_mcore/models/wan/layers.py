@@ -69,8 +69,25 @@ class WanTextEmbedder(nn.Module):
         return self.linear_2(self.linear_1(text))
 
 
+class WanImageEmbedder(nn.Module):
+    """Wan2.1-I2V's CLIP image tokens -> the model width: fp32 LayerNorm, linear, exact GELU, linear, fp32
+    LayerNorm (diffusers' ``WanImageEmbedding``, eps 1e-5). Replicated: the 257 image tokens are few."""
+
+    def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
+        super().__init__()
+        width, dim, dtype = config.image_dim, config.hidden_size, config.params_dtype
+        self.norm1 = LayerNorm(width, eps=1e-5, elementwise_affine=True, dtype=dtype)
+        self.fc1 = backend.replicated_linear(width, width, config=config)
+        self.fc2 = backend.replicated_linear(width, dim, config=config)
+        self.norm2 = LayerNorm(dim, eps=1e-5, elementwise_affine=True, dtype=dtype)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        """(B, I, image_dim) -> (B, I, D)."""
+        return self.norm2(self.fc2(F.gelu(self.fc1(self.norm1(image)))))
+
+
 class WanConditionEmbedder(nn.Module):
-    """Time embedding, its 6-way modulation projection, and the text embedding."""
+    """Time embedding, its 6-way modulation projection, the text embedding and (I2V) the image embedding."""
 
     def __init__(self, config: WanConfig, backend: BackendProvider) -> None:
         super().__init__()
@@ -80,20 +97,27 @@ class WanConditionEmbedder(nn.Module):
         )
         self.time_proj = backend.column_parallel_linear(config.hidden_size, 6 * config.hidden_size, config=config)
         self.text_embedder = WanTextEmbedder(config, backend)
+        if config.image_dim is not None:
+            self.image_embedder = WanImageEmbedder(config, backend)
 
     def forward(
-        self, timestep: torch.Tensor, text: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``timestep`` (B,) or per-token (B, S) -> temb (B[, S], D), modulation (B[, S], 6, D), text (B, L, D)."""
+        self, timestep: torch.Tensor, text: torch.Tensor, image: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``timestep`` (B,) or per-token (B, S) -> temb (B[, S], D), modulation (B[, S], 6, D), text (B, L, D),
+        image tokens (B, I, D) (None without)."""
         sinusoid = timestep_embedding(timestep.flatten(), self.freq_dim).to(self.time_embedder.linear_1.weight.dtype)
         temb = self.time_embedder(sinusoid).unflatten(0, timestep.shape).type_as(text)
         modulation = gather_from_tp(self.time_proj(F.silu(temb))).unflatten(-1, (6, -1))
-        return temb, modulation, self.text_embedder(text)
+        embedded = None if image is None else self.image_embedder(image).type_as(text)
+        return temb, modulation, self.text_embedder(text), embedded
 
 
 class WanAttention(nn.Module):
     """Multi-head attention with q/k RMSNorm over all heads; self-attention (with RoPE, fused ``to_qkv``) or
-    cross-attention (``cross=True``: ``to_q`` on the video tokens, fused ``to_kv`` on the text)."""
+    cross-attention (``cross=True``: ``to_q`` on the video tokens, fused ``to_kv`` on the text). With image tokens
+    (Wan2.1-I2V) the cross-attention's queries also attend to them through their own fused key/value projection
+    ``to_added_kv`` (diffusers' ``add_k_proj`` / ``add_v_proj``, the keys RMS-normalised by ``norm_added_k``), and
+    the two attention outputs are summed before ``to_out``."""
 
     def __init__(self, config: WanConfig, backend: BackendProvider, *, cross: bool) -> None:
         super().__init__()
@@ -106,6 +130,10 @@ class WanAttention(nn.Module):
             self.to_q = col(dim, dim, config=config)
             self.to_kv = col(dim, 2 * dim, config=config)
             self.to_k, self.to_v = fuse_slots(self.to_kv, self.head_dim, 2)
+            if config.added_kv_proj_dim is not None:
+                self.to_added_kv = col(config.added_kv_proj_dim, 2 * dim, config=config)
+                self.add_k_proj, self.add_v_proj = fuse_slots(self.to_added_kv, self.head_dim, 2)
+                self.norm_added_k = TPRMSNorm(dim, eps=config.layernorm_epsilon, dtype=config.params_dtype)
         else:
             self.to_qkv = col(dim, 3 * dim, config=config)
             self.to_q, self.to_k, self.to_v = fuse_slots(self.to_qkv, self.head_dim, 3)
@@ -116,14 +144,17 @@ class WanAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, context: Optional[torch.Tensor] = None, rope: Optional[RopeTables] = None,
-        shards: Optional[SequenceShards] = None,
+        shards: Optional[SequenceShards] = None, image: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``x`` (B, S, D) attends to itself or (cross-attention) to ``context`` (B, L, D); returns (B, S, D).
+        """``x`` (B, S, D) attends to itself or (cross-attention) to ``context`` (B, L, D) and the embedded image
+        tokens ``image`` (B, I, D) where the checkpoint has them; returns (B, S, D).
 
         ``shards`` (context-parallel self-attention): ``x`` is this rank's piece of the video tokens.
         """
         if self.cross != (context is not None):
             raise ValueError("cross-attention needs the text context; self-attention takes none")
+        if (image is not None) != hasattr(self, "to_added_kv"):
+            raise ValueError("image tokens go with a checkpoint that has image_dim (and only there)")
         heads = (self.heads_local, self.head_dim)
         # The fused outputs are (head, {q, k, v} or {k, v}, head_dim) per token: see the module doc. The norms
         # read the strided per-head views as they are.
@@ -135,7 +166,11 @@ class WanAttention(nn.Module):
         q, k = self.norm_q(q, heads=True), self.norm_k(k, heads=True)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        return self.to_out(attend(self.core_attention, q, k, v, shards).type_as(q))
+        out = attend(self.core_attention, q, k, v, shards).type_as(q)
+        if image is not None:  # local queries against every image token: no exchange under CP
+            k_img, v_img = self.to_added_kv(image).unflatten(-1, (self.heads_local, 2, self.head_dim)).unbind(-2)
+            out = out + self.core_attention(q, self.norm_added_k(k_img, heads=True), v_img).type_as(q)
+        return self.to_out(out)
 
 
 class WanFeedForward(nn.Module):
@@ -187,18 +222,19 @@ class WanBlock(nn.Module):
 
     def forward(
         self, hidden_states: torch.Tensor, context: torch.Tensor, modulation: torch.Tensor, rope: RopeTables,
-        shards: Optional[SequenceShards] = None,
+        shards: Optional[SequenceShards] = None, image: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``hidden_states`` (B, S, D), ``context`` (B, L, D), ``modulation`` (B[, S], 6, D) -> (B, S, D).
+        """``hidden_states`` (B, S, D), ``context`` (B, L, D), ``modulation`` (B[, S], 6, D) -> (B, S, D);
+        ``image`` (B, I, D): the embedded image tokens of Wan2.1-I2V, attended to by the cross-attention.
 
-        Under context parallelism (``shards``) the video tokens are this rank's piece; the text stays whole, so
-        cross-attention needs no exchange.
+        Under context parallelism (``shards``) the video tokens are this rank's piece; the text and image tokens
+        stay whole, so cross-attention needs no exchange.
         """
         shift, scale, gate, c_shift, c_scale, c_gate = split_modulation(self.scale_shift_table, modulation)
         h = hidden_states
         # Residual adds and modulations run in fp32, the sublayers in the model dtype (as the reference).
         x = (self.norm1(h.float()) * (1 + scale) + shift).type_as(h)
         h = (h.float() + self.attn1(x, rope=rope, shards=shards) * gate).type_as(h)
-        h = h + self.attn2(self.norm2(h.float()).type_as(h), context=context)
+        h = h + self.attn2(self.norm2(h.float()).type_as(h), context=context, image=image)
         x = (self.norm3(h.float()) * (1 + c_scale) + c_shift).type_as(h)
         return (h.float() + self.ffn(x).float() * c_gate).type_as(h)

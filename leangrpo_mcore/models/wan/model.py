@@ -1,4 +1,4 @@
-"""The Wan2.1 / Wan2.2-TI2V text-to-video transformer (diffusers ``WanTransformer3DModel``) on megatron-core.
+"""The Wan2.1 / Wan2.2 transformer (diffusers ``WanTransformer3DModel``, text- and image-to-video) on megatron-core.
 
 ``WanModel(config, backend=...)`` builds every linear through the backend provider (local megatron-core
 tensor-parallel layers or Transformer Engine), so one set of parameter names serves both backends and the
@@ -6,8 +6,9 @@ converter. The forward takes diffusers' keyword arguments and returns the veloci
 
 Pipeline stages (``common.pipeline``) split the blocks. Every block reads the hidden states, the 6-way timestep
 modulation and the encoded text; the output norm reads temb. A boundary carries one tensor (B, S + 7T + L, D)
-in the model dtype: ``[hidden states, temb, modulation, encoded text]``, T = 1 (one timestep per sample) or S
-(per-token timesteps), tokens of this CP rank. All three conditioning inputs are sent, none recomputed: at
+in the model dtype: ``[hidden states, temb, modulation, encoded text, encoded image tokens]``, T = 1 (one
+timestep per sample) or S (per-token timesteps), tokens of this CP rank, image tokens only for a checkpoint with
+``image_dim`` (Wan2.1-I2V: 257 CLIP tokens, embedded once on the first stage). All three conditioning inputs are sent, none recomputed: at
 Wan2.1-14B the time embedder and ``time_proj`` hold 185M parameters and the text embedder 47M (370 MB and 94 MB
 in bf16 that every stage would hold, with gradients summed over stages), while temb and the modulation are 7
 tokens per sample and the text 512 tokens against the tens of thousands of video tokens that cross anyway.
@@ -108,14 +109,17 @@ class WanModel(PolicyMixin, nn.Module):
         return x.reshape(x.shape[0], x.shape[1], f * pt, h * ph, w * pw)
 
     def boundary_shape(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                       encoder_hidden_states: torch.Tensor) -> tuple[int, int, int]:
+                       encoder_hidden_states: torch.Tensor,
+                       encoder_hidden_states_image: Optional[torch.Tensor] = None) -> tuple[int, int, int]:
         """The shape of the boundary tensor a stage sends and receives for these forward arguments (only their
-        shapes are read): (B, S + 7·T + L, dim) of this CP rank's video tokens S, T = 1 or S per token
-        (:meth:`_pack`). A pipelined call allocates its receive buffers in it once (megatron's ``tensor_shape``)."""
+        shapes are read): (B, S + 7·T + L + I, dim) of this CP rank's video tokens S, T = 1 or S per token, I image
+        tokens (:meth:`_pack`). A pipelined call allocates its receive buffers in it once (megatron's
+        ``tensor_shape``)."""
         batch, seq = hidden_states.shape[0], math.prod(self._patch_grid(hidden_states.shape))
         local = SequenceShards.split(seq).local if cp_group() is not None else seq
         rows = local if timestep.ndim == 2 else 1
-        return batch, local + 7 * rows + encoder_hidden_states.shape[1], self.config.hidden_size
+        image = 0 if encoder_hidden_states_image is None else encoder_hidden_states_image.shape[1]
+        return batch, local + 7 * rows + encoder_hidden_states.shape[1] + image, self.config.hidden_size
 
     def _check_timestep(self, timestep: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         if timestep.ndim == 0:
@@ -127,27 +131,44 @@ class WanModel(PolicyMixin, nn.Module):
         )
 
     def _pack(self, h: torch.Tensor, temb: torch.Tensor, modulation: torch.Tensor,
-              context: torch.Tensor) -> torch.Tensor:
-        """The boundary tensor (B, S + T + 6T + L, D): hidden states, temb, modulation, text; T = 1, or S per token."""
+              context: torch.Tensor, image: Optional[torch.Tensor]) -> torch.Tensor:
+        """The boundary tensor (B, S + T + 6T + L + I, D): hidden states, temb, modulation, text, image tokens; T = 1,
+        or S per token."""
         batch, dim = h.shape[0], h.shape[-1]
-        parts = (h, temb.reshape(batch, -1, dim), modulation.reshape(batch, -1, dim), context)
+        parts = (h, temb.reshape(batch, -1, dim), modulation.reshape(batch, -1, dim), context) + (
+            () if image is None else (image,))
         return torch.cat([part.to(h.dtype) for part in parts], dim=1)
 
-    def _unpack(self, timestep: torch.Tensor, seq: int, text_len: int):
-        """(hidden states, temb, modulation, text) out of the previous stage's boundary tensor."""
+    def _unpack(self, timestep: torch.Tensor, seq: int, text_len: int, image_len: int):
+        """(hidden states, temb, modulation, text, image tokens or None) out of the previous stage's boundary."""
         received = self._take_stage_input(self.stage)
         batch, dim = timestep.shape[0], self.config.hidden_size
         per_token = timestep.shape[1:]  # () or (S,): the conditioning's token dimensions
         rows = 1 if timestep.ndim == 1 else timestep.shape[1]
-        check_boundary(received, (batch, seq + 7 * rows + text_len, dim), self.stage)
-        h, temb, modulation, context = received.split([seq, rows, 6 * rows, text_len], dim=1)
-        return (h, temb.reshape(batch, *per_token, dim), modulation.reshape(batch, *per_token, 6, dim), context)
+        check_boundary(received, (batch, seq + 7 * rows + text_len + image_len, dim), self.stage)
+        h, temb, modulation, context, image = received.split([seq, rows, 6 * rows, text_len, image_len], dim=1)
+        return (h, temb.reshape(batch, *per_token, dim), modulation.reshape(batch, *per_token, 6, dim), context,
+                image if image_len else None)
+
+    def _check_image(self, image: Optional[torch.Tensor], batch: int) -> None:
+        width = self.config.image_dim
+        if width is None and image is not None:
+            raise ValueError("this Wan checkpoint has no image_dim: it takes no encoder_hidden_states_image")
+        if width is not None and (image is None or image.ndim != 3 or image.shape[0] != batch
+                                  or image.shape[-1] != width):
+            got = None if image is None else tuple(image.shape)
+            raise ValueError(f"this Wan I2V checkpoint needs encoder_hidden_states_image ({batch}, I, {width}) "
+                             f"(CLIP image tokens), got {got}")
 
     def forward(
-        self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor
+        self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_image: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Velocity (B, C_out, F, H, W) for latents ``hidden_states`` (B, C, F, H, W) at ``timestep`` (B,)
-        (or per-token (B, S), as Wan2.2-TI2V) given text states ``encoder_hidden_states`` (B, L, text_dim).
+        (or per-token (B, S), as Wan2.2-TI2V) given text states ``encoder_hidden_states`` (B, L, text_dim) and,
+        for a checkpoint with ``image_dim`` (Wan2.1-I2V), CLIP image tokens ``encoder_hidden_states_image``
+        (B, I, image_dim). A channel-concatenated I2V checkpoint takes its mask and image latents as the
+        channels of ``hidden_states`` after the noisy ones (C = ``in_channels``).
 
         Under context parallelism the inputs and the output are whole on every CP rank, the blocks see this rank's
         video tokens only, and the output's gradient is summed over the CP group (``gather_sequence``).
@@ -161,6 +182,7 @@ class WanModel(PolicyMixin, nn.Module):
             shape = tuple(encoder_hidden_states.shape)
             raise ValueError(f"Wan encoder_hidden_states must be (B, L, {self.config.text_dim}), got {shape}")
         batch, seq = hidden_states.shape[0], math.prod(grid)
+        self._check_image(encoder_hidden_states_image, batch)
         timestep = self._check_timestep(timestep, batch, seq)
         rope = rope_tables(self.config, grid, hidden_states.device)
         tokens = self._patchify(hidden_states, grid)
@@ -173,14 +195,17 @@ class WanModel(PolicyMixin, nn.Module):
             timestep = shards.shard(timestep, 1) if timestep.ndim == 2 else timestep
         if self.stage.pre_process:
             h = self.patch_embedding(tokens)
-            temb, modulation, context = self.condition_embedder(timestep, encoder_hidden_states)
+            temb, modulation, context, image = self.condition_embedder(timestep, encoder_hidden_states,
+                                                                       encoder_hidden_states_image)
         else:
-            h, temb, modulation, context = self._unpack(timestep, tokens.shape[1], encoder_hidden_states.shape[1])
+            image_len = 0 if encoder_hidden_states_image is None else encoder_hidden_states_image.shape[1]
+            h, temb, modulation, context, image = self._unpack(timestep, tokens.shape[1],
+                                                               encoder_hidden_states.shape[1], image_len)
         for block in self.layers:
-            h = maybe_checkpoint(block, h, context, modulation, rope, shards,
+            h = maybe_checkpoint(block, h, context, modulation, rope, shards, image,
                                  enabled=self.config.activation_checkpointing, fp8=bool(self.config.fp8))
         if not self.stage.post_process:
-            return self._pack(h, temb, modulation, context)
+            return self._pack(h, temb, modulation, context, image)
         shift, scale = split_modulation(self.scale_shift_table, temb.unsqueeze(-2))
         h = (self.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
         return self._unpatchify(gather_sequence(self.proj_out(h), shards, 1), grid)
