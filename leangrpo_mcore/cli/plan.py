@@ -25,8 +25,10 @@ from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.planner.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, load_arch
 from leangrpo_mcore.planner.workload import (HARDWARE_KINDS, PRECISIONS, SCHEDULES, GiB, Hardware, Workload,
                                              hardware_preset)
+from leangrpo_mcore.planner.config_workload import expert_trained_steps
 from leangrpo_mcore.planner.layout import (DEFAULT_TEXT_TOKENS, Plan, config_schedules, describe_layout, plan,
                                            workload_from_config)
+from leangrpo_mcore.planner.simulate_plan import DEFAULT_SHIFT, SIGMA_SCHEDULE
 
 if TYPE_CHECKING:
     from leangrpo_mcore.config import Config
@@ -68,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "rollout), false (once per step); default auto: the planner decides")
     p.add_argument("--experts-train", choices=("both", "high", "low"),
                    help="two-expert models (wan2.2-t2v-a14b): which experts learn, as model.experts.train (default "
-                        "both); --selected-steps then counts the trained expert's steps")
+                        "both); of the --selected-steps (the first ones) those the trained expert runs train, on the "
+                        "Wan schedule at shift 3")
     p.add_argument("--kl-beta", type=float, help="KL coefficient (default 0)")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance (> 1 doubles every forward; "
                                                    "default 1 for FLUX, 5 for Wan)")
@@ -131,9 +134,13 @@ def workload_from_args(args: argparse.Namespace, world_size: int) -> Workload:
     tokens = arch.tokens(height, width, _pick(args.frames, 1), _pick(args.text_tokens, DEFAULT_TEXT_TOKENS))
     steps = _pick(args.num_steps, 16)
     group = _pick(args.group_size, 8)
+    selected, train = _pick(args.selected_steps, max(steps - 1, 1)), _pick(args.experts_train, "both")
+    if train != "both" and arch.experts > 1:  # the trained expert's share of the selected steps
+        selected = expert_trained_steps(arch, train, SIGMA_SCHEDULE[arch.family], steps, DEFAULT_SHIFT, "flow_grpo",
+                                        selected)
     ac = {"on": True, "off": False, "auto": None}[_pick(args.activation_checkpointing, "auto")]
     return Workload(
-        arch=arch, tokens=tokens, num_steps=steps, selected_steps=_pick(args.selected_steps, max(steps - 1, 1)),
+        arch=arch, tokens=tokens, num_steps=steps, selected_steps=selected,
         group_size=group, prompts_per_step=_pick(args.prompts_per_step, max(1, world_size // group)),
         micro_batch=_pick(args.micro_batch, 1), lora_rank=_pick(args.lora_rank, 0),
         lora_targets=DEFAULT_LORA_TARGETS[arch.family], precision=PRECISIONS[_pick(args.precision, "bf16")],
@@ -141,7 +148,7 @@ def workload_from_args(args: argparse.Namespace, world_size: int) -> Workload:
         reshard_after_forward=RESHARD_FLAG[_pick(args.reshard_after_forward, "auto")],
         cfg=_pick(args.cfg_scale, DEFAULT_CFG_SCALE[arch.family]) > 1.0, reward_seconds=args.reward_seconds,
         reward_mem_bytes=int(args.reward_mem_gb * GiB), decode_bytes=int(args.decode_mem_gb * GiB),
-        experts_train=_pick(args.experts_train, "both"))
+        experts_train=train)
 
 
 def _config_workload(args: argparse.Namespace, path: str) -> tuple[Workload, dict]:

@@ -48,23 +48,31 @@ def selected_steps_of(config: Any) -> int:
 
 def trained_steps_of(config: Any, arch: ArchSpec) -> int:
     """The selected steps a sample trains: |S|, or with one expert of two trained (``model.experts.train``) those
-    of its steps that expert runs (on the config's sigma schedule; the most a sample can have where the
-    selection is drawn per sample or per group)."""
+    of its steps that expert runs (:func:`expert_trained_steps` on the config's sigma schedule)."""
     count = selected_steps_of(config)
-    train = config.model.experts.train
-    if arch.experts == 1 or train == "both":
+    if arch.experts == 1 or config.model.experts.train == "both":
         return count
+    from leangrpo_mcore.engine.model_source import sampler_shift  # lazily: torch
+
+    s = config.sampler
+    return expert_trained_steps(arch, config.model.experts.train, s.sigma_schedule, s.num_steps,
+                                sampler_shift(config), config.grpo.timestep_selection, count)
+
+
+def expert_trained_steps(arch: ArchSpec, train: str, sigma_kind: str, num_steps: int, shift: float, selection: str,
+                         count: int) -> int:
+    """Of ``count`` selected steps of a two-expert policy, those the ``train`` expert runs on the ``sigma_kind``
+    schedule (the first ``count`` under FlowGRPO's selection; the most a sample can have where the selection is
+    drawn per sample or per group); at least 1."""
     # Imported lazily (torch): the engine's own split of the steps between the experts.
     from leangrpo_mcore.diffusion.selection import ExpertSteps
     from leangrpo_mcore.diffusion.sigmas import get_sigmas
-    from leangrpo_mcore.engine.model_source import sampler_shift
 
-    s = config.sampler
-    sigmas = get_sigmas(s.sigma_schedule, s.num_steps, shift=sampler_shift(config))
-    trained = ExpertSteps(float(arch.config["boundary_ratio"]) * 1000, s.sigma_schedule, train).trained(sigmas)
-    if config.grpo.timestep_selection == "flow_grpo":
+    sigmas = get_sigmas(sigma_kind, num_steps, shift=shift)
+    trained = ExpertSteps(float(arch.config["boundary_ratio"]) * 1000, sigma_kind, train).trained(sigmas)
+    if selection == "flow_grpo":
         return max(1, int(trained[:count].sum()))
-    candidates = trained[:-1] if config.grpo.timestep_selection == "dance_grpo" else trained
+    candidates = trained[:-1] if selection == "dance_grpo" else trained
     return max(1, min(count, int(candidates.sum())))
 
 

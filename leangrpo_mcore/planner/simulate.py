@@ -295,12 +295,11 @@ def with_blocks(config: Config, counts: dict[str, int]) -> Config:
 
 
 def selected_steps(config: Config) -> int:
-    """|S| of ``config``."""
-    from leangrpo_mcore.diffusion.selection import num_selected
+    """The trained steps of a sample of ``config``: |S|, or with one expert of two trained those of its steps
+    that expert runs (the planner's count)."""
+    from leangrpo_mcore.planner.config_workload import arch_of, trained_steps_of
 
-    g = config.grpo
-    return num_selected(g.timestep_selection, config.sampler.num_steps, g.timestep_fraction,
-                        config.sampler.sde_window_size)
+    return trained_steps_of(config, arch_of(config))
 
 
 def with_steps(config: Config) -> tuple[Config, float]:
@@ -310,6 +309,8 @@ def with_steps(config: Config) -> tuple[Config, float]:
     s, g = config.sampler, config.grpo
     if s.num_steps <= SIM_STEPS or g.timestep_selection not in ("flow_grpo", "dance_grpo"):
         return config, 1.0
+    if config.model.experts.train != "both":
+        return _with_expert_steps(config)
     want = selected_steps(config)
     steps = SIM_STEPS
     if g.timestep_selection == "flow_grpo":
@@ -326,6 +327,29 @@ def with_steps(config: Config) -> tuple[Config, float]:
     reduced = dataclasses.replace(config, sampler=dataclasses.replace(s, num_steps=steps),
                                   grpo=dataclasses.replace(g, timestep_fraction=fraction))
     return reduced, want / fewer
+
+
+def _with_expert_steps(config: Config) -> tuple[Config, float]:
+    """:func:`with_steps` of a two-expert policy training one expert: a rollout as short as keeps a step of each
+    expert and every candidate step selected (FlowGRPO: 2 steps, DanceGRPO: 3 with the last never trained), so that
+    exactly one step trains (its expert's); ``config`` itself where that does not come out."""
+    from leangrpo_mcore.diffusion.selection import ExpertSteps
+    from leangrpo_mcore.diffusion.sigmas import get_sigmas
+    from leangrpo_mcore.engine.model_source import sampler_shift
+    from leangrpo_mcore.planner.config_workload import arch_of
+
+    s, g = config.sampler, config.grpo
+    steps = SIM_STEPS + (1 if g.timestep_selection == "dance_grpo" else 0)
+    if steps >= s.num_steps:
+        return config, 1.0
+    ratio = float(arch_of(config).config["boundary_ratio"])
+    trained = ExpertSteps(ratio * 1000, s.sigma_schedule, config.model.experts.train).trained(
+        get_sigmas(s.sigma_schedule, steps, shift=sampler_shift(config)))
+    if int(trained[:SIM_STEPS].sum()) != 1:  # the candidate steps: the first two
+        return config, 1.0
+    reduced = dataclasses.replace(config, sampler=dataclasses.replace(s, num_steps=steps),
+                                  grpo=dataclasses.replace(g, timestep_fraction=1.0))
+    return reduced, float(selected_steps(config))
 
 
 def _scaled(sim: Simulation, graphs: float) -> Simulation:

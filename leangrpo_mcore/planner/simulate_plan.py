@@ -27,12 +27,14 @@ BASE_PRESET = {"flux": "flux-dev", "sd3": "sd3.5-medium", "wan": "wan2.1-1.3b"}
 """Preset under a diffusers config's own hyper-parameters (every one of them overrides it)."""
 SIGMA_SCHEDULE = {"flux": "flux", "sd3": "sd3", "wan": "wan"}
 """The sigma schedule of each family's pipeline."""
+DEFAULT_SHIFT = 3.0
+"""The static shift of a flag-described run (the trainer's default without a pipeline's scheduler config)."""
 
 
 def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_scale: float) -> Config:
     """The experiment config that ``leangrpo-plan``'s flags describe (for a preset or a diffusers config)."""
     arch = work.arch
-    fraction = min(1.0, (work.selected_steps + 0.5) / work.num_steps)  # int(T * fraction) == |S|
+    fraction = min(1.0, (_selected_of(work) + 0.5) / work.num_steps)  # int(T * fraction) == |S|
     wan = arch.family == "wan"
     data = {
         "model": {"family": arch.family, "preset": arch.name if arch.name in BUILTIN_PRESETS else BASE_PRESET[arch.family],
@@ -56,6 +58,20 @@ def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_sc
         "optim": {"name": work.optimizer},
     }
     return build_config(data)
+
+
+def _selected_of(work: Workload) -> int:
+    """The first steps to select so that the trained ones are the workload's |S| (with one expert of two trained,
+    |S| counts that expert's steps only: ``leangrpo-plan --experts-train``)."""
+    if work.experts_train == "both":
+        return work.selected_steps
+    from leangrpo_mcore.planner.config_workload import expert_trained_steps
+
+    for first in range(1, work.num_steps + 1):
+        if expert_trained_steps(work.arch, work.experts_train, SIGMA_SCHEDULE[work.arch.family], work.num_steps,
+                                DEFAULT_SHIFT, "flow_grpo", first) >= work.selected_steps:
+            return first
+    return work.num_steps
 
 
 def candidate_config(config: Config, est: Estimate) -> Config:

@@ -143,3 +143,24 @@ def test_the_a14b_experiment_plans_on_8_to_64_gpus_and_needs_its_weights(capsys,
     assert err == ["error: model.path is not set: preset wan2.2-t2v-a14b would RL-train a randomly initialised "
                    "model; set model.path to the Wan2.2-T2V-A14B pipeline root (its transformer/ and transformer_2/ "
                    "are the two experts) (or model.random_init: true on purpose)"]
+
+
+@pytest.mark.slow
+def test_two_expert_predictions_match_the_simulated_step():
+    """The trainer's two-expert step under fake tensors against the planner's prediction, within 10 %."""
+    import subprocess
+    import sys
+
+    arch = "model.arch={num_layers: 2, num_attention_heads: 4, attention_head_dim: 32, ffn_dim: 256, text_dim: 64}"
+    # DanceGRPO's per-sample steps on 2 ranks (the units stay gathered, Native coalesces: the config's choice),
+    # the high-noise expert trained and the low-noise one frozen
+    proc = subprocess.run([sys.executable, "-m", "leangrpo_mcore.cli.plan", "--config", "yaml_configs/tiny/wan_a14b.yaml",
+                           arch, "sampler.height=128", "sampler.width=128", "sampler.num_steps=5",
+                           "grpo.timestep_fraction=1.0", "model.experts.train=high", "--gpus-per-node", "2",
+                           "--gpu-mem-gb", "80", "--overhead-gb", "0", "--simulate", "all", "--json"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    simulated = [c for c in json.loads(proc.stdout)["candidates"] if "simulated_peak_bytes" in c]
+    assert sorted(c["schedule"] for c in simulated) == ["native", "retain", "reweight"]
+    for c in simulated:
+        assert 0.9 <= c["simulated_over_predicted"] <= 1.1, (c["schedule"], c["simulated_over_predicted"])
