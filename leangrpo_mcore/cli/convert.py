@@ -5,8 +5,9 @@
 
 The diffusers side is a transformer directory (``config.json`` + ``*.safetensors``, sharded index
 supported), or for Wan2.2-A14B's two experts the pipeline root (``transformer/``, ``transformer_2/`` and the
-``boundary_ratio`` of ``model_index.json``), which an export writes back in the same layout. Our format records the model config and FULL tensors, and loads at any TP size. On export
-LoRA adapters are merged into the base weights (in float32, rounded once to the export dtype), unless
+``boundary_ratio`` of ``model_index.json``), which an export writes back in the same layout. Our format records
+the model config and FULL tensors, and loads at any TP size. On export LoRA adapters are merged into the base
+weights (in float32, rounded once to the export dtype), unless
 ``--keep-lora``: then the base weights stay unmerged and the adapters go to ``pytorch_lora_weights.safetensors``
 (PEFT key names with the ``transformer.`` prefix; the ``alpha / rank`` scale is folded into ``lora_B``), which
 diffusers loads through ``peft``: ``pip install 'leangrpo_mcore[lora]'``.

@@ -29,6 +29,7 @@ from leangrpo_mcore.config.schema import (
 
 __all__ = [
     "COMMAND_LINE", "ConfigError", "build_config", "config_to_yaml", "dump_config", "load_config", "valid_keys",
-    "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "ExpertsConfig", "GRPOConfig", "LoggingConfig", "LoRAConfig", "ModelConfig",
+    "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "ExpertsConfig", "GRPOConfig", "LoggingConfig",
+    "LoRAConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "RewardConfig", "SamplerConfig", "ScheduleConfig", "TrainConfig",
 ]

@@ -36,7 +36,8 @@ class ModelFamily:
     config_cls: type
     """TransformerConfig subclass with from_diffusers_config / to_diffusers_config."""
     model_cls: Callable[..., torch.nn.Module]
-    """The policy module's class or factory: ``model_cls(config, *, backend="auto", stage=None)`` (``stage``: one pipeline stage,
+    """The policy module's class or factory: ``model_cls(config, *, backend="auto", stage=None)`` (``stage``: one
+    pipeline stage,
     :class:`~leangrpo_mcore.models.common.pipeline.PipelineStage`; None: the whole model)."""
     diffusers_class_name: str
     """diffusers' ``_class_name`` in config.json (e.g. "FluxTransformer2DModel")."""

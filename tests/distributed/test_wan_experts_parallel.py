@@ -1,9 +1,9 @@
-"""Two experts at world size 2 (FSDP2 over both ranks; pipeline stages, CP 2 and TP 2; one spawn): Native, Retain and Reweight agree as on one
-transformer (Retain bitwise, Reweight at the fp32 floor) and with the single-process run; with ``experts.train:
-high`` the low-noise expert is bitwise unchanged. With DanceGRPO selection the ranks train different steps, so one
-rank's update may run one expert while the other's runs the other: the units stay gathered and the gradients are
-reduced once, densely (a rank with no gradient of an expert contributes zeros); the layouts that would pair
-different experts' collectives are refused."""
+"""Two experts at world size 2 (FSDP2 over both ranks; pipeline stages, CP 2 and TP 2; one spawn): Native, Retain
+and Reweight agree as on one transformer (Retain bitwise, Reweight at the fp32 floor) and with the single-process
+run; with ``experts.train: high`` the low-noise expert is bitwise unchanged. With DanceGRPO selection the ranks
+train different steps, so one rank's update may run one expert while the other's runs the other: the units stay
+gathered and the gradients are reduced once, densely (a rank with no gradient of an expert contributes zeros);
+the layouts that would pair different experts' collectives are refused."""
 
 from __future__ import annotations
 

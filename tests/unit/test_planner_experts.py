@@ -154,9 +154,10 @@ def test_two_expert_predictions_match_the_simulated_step():
     arch = "model.arch={num_layers: 2, num_attention_heads: 4, attention_head_dim: 32, ffn_dim: 256, text_dim: 64}"
     # DanceGRPO's per-sample steps on 2 ranks (the units stay gathered, Native coalesces: the config's choice),
     # the high-noise expert trained and the low-noise one frozen
-    proc = subprocess.run([sys.executable, "-m", "leangrpo_mcore.cli.plan", "--config", "yaml_configs/tiny/wan_a14b.yaml",
-                           arch, "sampler.height=128", "sampler.width=128", "sampler.num_steps=5",
-                           "grpo.timestep_fraction=1.0", "model.experts.train=high", "--gpus-per-node", "2",
+    proc = subprocess.run([sys.executable, "-m", "leangrpo_mcore.cli.plan", "--config",
+                           "yaml_configs/tiny/wan_a14b.yaml", arch, "sampler.height=128", "sampler.width=128",
+                           "sampler.num_steps=5", "grpo.timestep_fraction=1.0", "model.experts.train=high",
+                           "--gpus-per-node", "2",
                            "--gpu-mem-gb", "80", "--overhead-gb", "0", "--simulate", "all", "--json"],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]

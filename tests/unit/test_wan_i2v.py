@@ -76,10 +76,10 @@ def _rollout(policy, latents, conditioning, *, first_frame=False):
     sigmas = get_sigmas("wan", STEPS, shift=SHIFT)
     none = torch.zeros(latents.shape[0], STEPS, dtype=torch.bool)
     velocity = WanVelocity(policy, sigma_kind="wan", cfg_scale=CFG, first_frame=first_frame)
+    batch = latents.shape[0]
     return rollout(velocity, latents, sigmas, conditioning, sde=SDEParams.from_sigmas("flow_grpo", 0.7, sigmas),
                    selected=none, sde_steps=none, noise_seeds=torch.zeros_like(none, dtype=torch.long),
-                   prompt_ids=torch.arange(latents.shape[0]), generation_ids=torch.zeros(latents.shape[0],
-                                                                                         dtype=torch.long)).final_latents
+                   prompt_ids=torch.arange(batch), generation_ids=torch.zeros(batch, dtype=torch.long)).final_latents
 
 
 def _pipeline(root, **parts) -> WanImageToVideoPipeline:

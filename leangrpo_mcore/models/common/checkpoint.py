@@ -190,7 +190,8 @@ def write_diffusers_dir(dst: str | os.PathLike, *, class_name: str, config: dict
             mine = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
             write_diffusers_dir(folder / component, class_name=class_name, config=expert_config, tensors=mine)
         index = {"_class_name": pipeline_class, "_diffusers_version": diffusers.__version__,
-                 "boundary_ratio": config["boundary_ratio"], **{c: ["diffusers", class_name] for c in EXPERT_COMPONENTS}}
+                 "boundary_ratio": config["boundary_ratio"],
+                 **{component: ["diffusers", class_name] for component in EXPERT_COMPONENTS}}
         (folder / MODEL_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         return folder
     full_config = {"_class_name": class_name, "_diffusers_version": diffusers.__version__, **config}

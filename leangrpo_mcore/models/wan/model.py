@@ -5,10 +5,11 @@ tensor-parallel layers or Transformer Engine), so one set of parameter names ser
 converter. The forward takes diffusers' keyword arguments and returns the velocity tensor itself.
 
 Pipeline stages (``common.pipeline``) split the blocks. Every block reads the hidden states, the 6-way timestep
-modulation and the encoded text; the output norm reads temb. A boundary carries one tensor (B, S + 7T + L, D)
+modulation and the encoded text; the output norm reads temb. A boundary carries one tensor (B, S + 7T + L + I, D)
 in the model dtype: ``[hidden states, temb, modulation, encoded text, encoded image tokens]``, T = 1 (one
-timestep per sample) or S (per-token timesteps), tokens of this CP rank, image tokens only for a checkpoint with
-``image_dim`` (Wan2.1-I2V: 257 CLIP tokens, embedded once on the first stage). All three conditioning inputs are sent, none recomputed: at
+timestep per sample) or S (per-token timesteps), tokens of this CP rank, I image tokens only for a checkpoint
+with ``image_dim`` (Wan2.1-I2V: 257 CLIP tokens, embedded on the first stage). All three conditioning inputs are
+sent, none recomputed: at
 Wan2.1-14B the time embedder and ``time_proj`` hold 185M parameters and the text embedder 47M (370 MB and 94 MB
 in bf16 that every stage would hold, with gradients summed over stages), while temb and the modulation are 7
 tokens per sample and the text 512 tokens against the tens of thousands of video tokens that cross anyway.
