@@ -6,7 +6,8 @@ shapes, which token stream it runs over and how tensor parallelism splits it) pl
 all follow from that one list, so they cannot disagree with each other.
 
 Token streams: ``image`` (image / video tokens), ``text`` (text-encoder tokens), ``joint`` (both, FLUX's joint
-sequence; SD3's joint attention) and ``sample`` (one row per sample: timestep / pooled-text embeddings and adaLN modulation).
+sequence; SD3's joint attention), ``sample`` (one row per sample: timestep / pooled-text embeddings and adaLN
+modulation) and ``clip`` (a conditioning image's CLIP tokens: Wan2.1-I2V).
 """
 
 from __future__ import annotations
@@ -49,6 +50,19 @@ BUILTIN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "num_layers": 40, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
         "boundary_ratio": 0.875,
     }),
+    # image-to-video: mask and image latents concatenated to the noisy latents (36 = 16 + 4 + 16 channels in)
+    "wan2.1-i2v-14b": ("wan", {
+        "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128,
+        "in_channels": 36, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824,
+        "num_layers": 40, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+        "image_dim": 1280, "added_kv_proj_dim": 5120,
+    }),
+    "wan2.2-i2v-a14b": ("wan", {
+        "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128,
+        "in_channels": 36, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824,
+        "num_layers": 40, "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6,
+        "boundary_ratio": 0.9,
+    }),
     "wan2.2-ti2v-5b": ("wan", {
         "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 24, "attention_head_dim": 128,
         "in_channels": 48, "out_channels": 48, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 14336,
@@ -78,7 +92,9 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "wan": ("to_q", "to_k", "to_v", "to_out"),
 }
 
-STREAMS = ("image", "text", "joint", "sample")
+STREAMS = ("image", "text", "joint", "sample", "clip")
+CLIP_TOKENS = 257
+"""CLIP ViT-H/14 tokens of a 224-pixel image (16 x 16 patches and the class token): Wan2.1-I2V's image tokens."""
 TP_MODES = ("column", "row", "replicated")
 
 
@@ -147,6 +163,8 @@ class ArchSpec:
     experts: int = 1
     """Transformers of this architecture the policy holds (Wan2.2-A14B: 2, a step runs one of them); the counts
     below (parameters, FLOPs) are one expert's."""
+    image_tokens: int = 0
+    """CLIP tokens of the conditioning image every forward reads (Wan2.1-I2V: 257), the ``clip`` stream."""
 
     @property
     def num_layers(self) -> int:
@@ -169,7 +187,8 @@ class ArchSpec:
             raise UserError(f"{self.name}: {latent_frames} latent frames do not split into patches of "
                             f"{self.temporal_patch}")
         image = (latent_frames // self.temporal_patch) * (height // s) * (width // s)
-        return {"image": image, "text": text_tokens, "joint": image + text_tokens, "sample": 1}
+        clip = {"clip": self.image_tokens} if self.image_tokens else {}
+        return {"image": image, "text": text_tokens, "joint": image + text_tokens, "sample": 1, **clip}
 
     def latent_elements(self, tokens: dict[str, int]) -> int:
         """Elements of one sample's latent (what a trajectory stores per step)."""
@@ -309,7 +328,8 @@ def boundary_elements(arch: ArchSpec, tokens: dict[str, int]) -> int:
     """Elements of the one tensor a pipeline stage sends the next per sample and forward (``docs/models.md``):
     FLUX's and SD3's ``[temb, text, image]`` rows, Wan ``[hidden states, temb, 6 modulation rows, text]`` (per-sample
     timesteps), each ``hidden_size`` wide."""
-    rows = 1 + tokens["joint"] if arch.family in ("flux", "sd3") else tokens["image"] + 7 + tokens["text"]
+    rows = 1 + tokens["joint"] if arch.family in ("flux", "sd3") else (
+        tokens["image"] + 7 + tokens["text"] + tokens.get("clip", 0))
     return rows * arch.hidden_size
 
 
@@ -365,9 +385,8 @@ def wan_spec(config: dict, name: str = "wan") -> ArchSpec:
     c = {"patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16,
          "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40,
          "cross_attn_norm": True, **config}
-    for key in ("image_dim", "added_kv_proj_dim"):
-        if c.get(key) is not None:
-            raise UserError(f"{name}: Wan image conditioning ({key}) is not supported by the planner")
+    if c.get("pos_embed_seq_len") is not None:
+        raise UserError(f"{name}: Wan first-last-frame conditioning (pos_embed_seq_len) is not supported")
     heads, head_dim = int(c["num_attention_heads"]), int(c["attention_head_dim"])
     d, ffn = heads * head_dim, int(c["ffn_dim"])
     pt, ph, pw = (int(v) for v in c["patch_size"])
@@ -390,12 +409,22 @@ def wan_spec(config: dict, name: str = "wan") -> ArchSpec:
               _lin("attn2.to_out", d, d, "image", "row"), _lin("ffn.fc1", d, ffn, "image", "column"),
               _lin("ffn.fc2", ffn, d, "image", "row")]
     norm = 6 * d + (2 * d if c["cross_attn_norm"] else 0)  # scale-shift table + affine cross-attention norm
-    blocks = (BlockSpec("wan", int(c["num_layers"]), tuple(block), norm_params=norm, tp_norm_params=4 * d,
-                        attention=(("image", "image"), ("image", "text")), mlp_dim=ffn, stream="image"),)
+    attention, root_norms, image = (("image", "image"), ("image", "text")), 2 * d, c.get("image_dim")
+    if image is not None:  # Wan2.1-I2V: the CLIP tokens' embedder and each block's image keys and values
+        root += (_lin("condition_embedder.image_embedder.fc1", int(image), int(image), "clip"),
+                 _lin("condition_embedder.image_embedder.fc2", int(image), d, "clip"))
+        root_norms += 2 * int(image) + 2 * d
+        block += [_lin("attn2.add_k_proj", d, d, "clip", "column"), _lin("attn2.add_v_proj", d, d, "clip", "column")]
+        attention += (("image", "clip"),)
+    blocks = (BlockSpec("wan", int(c["num_layers"]), tuple(block), norm_params=norm,
+                        tp_norm_params=(5 if image is not None else 4) * d, attention=attention, mlp_dim=ffn,
+                        stream="image"),)
+    # the sampler's latents have the output's channels (an I2V checkpoint reads its conditioning channels beside)
     return ArchSpec(family="wan", name=name, config=dict(c), hidden_size=d, num_heads=heads,
-                    head_dim=head_dim, latent_channels=in_ch, spatial_stride=vae_s * ph, temporal_stride=vae_t,
-                    temporal_patch=pt, vae_stride=vae_s, root=root, root_norm_params=2 * d, blocks=blocks,
-                    experts=1 if c.get("boundary_ratio") is None else 2)
+                    head_dim=head_dim, latent_channels=out_ch, spatial_stride=vae_s * ph, temporal_stride=vae_t,
+                    temporal_patch=pt, vae_stride=vae_s, root=root, root_norm_params=root_norms, blocks=blocks,
+                    experts=1 if c.get("boundary_ratio") is None else 2,
+                    image_tokens=CLIP_TOKENS if image is not None else 0)
 
 
 def _sd3_block(c: dict, *, dual: bool, last: bool) -> tuple[LinearSpec, ...]:

@@ -165,3 +165,27 @@ def test_two_expert_predictions_match_the_simulated_step():
     assert sorted(c["schedule"] for c in simulated) == ["native", "retain", "reweight"]
     for c in simulated:
         assert 0.9 <= c["simulated_over_predicted"] <= 1.1, (c["schedule"], c["simulated_over_predicted"])
+
+
+def test_image_to_video_architectures_count_their_conditioning(capsys):
+    from leangrpo_mcore.cli.plan import main as plan_main
+    from leangrpo_mcore.models import build_policy
+    from leangrpo_mcore.planner.arch_specs import arch_from_config, boundary_elements, forward_flops
+    from leangrpo_mcore.models.wan import PRESETS
+
+    i2v, t2v = load_arch("wan2.1-i2v-14b"), load_arch("wan2.1-14b")
+    tokens, plain = i2v.tokens(480, 832, 81), t2v.tokens(480, 832, 81)
+    assert tokens["clip"] == 257 and "clip" not in plain
+    assert tokens["image"] == plain["image"] and i2v.latent_channels == 16
+    # the CLIP tokens cost each block's queries an attention over them and the image keys and values
+    assert forward_flops(i2v, tokens)["attention"] > forward_flops(t2v, plain)["attention"]
+    assert boundary_elements(i2v, tokens) == boundary_elements(t2v, plain) + 257 * 5120
+    tiny = arch_from_config("wan", PRESETS["wan-tiny-i2v"])
+    assert param_counts(tiny)["total"] == build_policy({"family": "wan", "preset": "wan-tiny-i2v"},
+                                                       backend="local").num_parameters()
+    a14b = load_arch("wan2.2-i2v-a14b")
+    assert a14b.experts == 2 and a14b.image_tokens == 0
+    for model in ("wan2.1-i2v-14b", "wan2.2-i2v-a14b"):
+        assert plan_main(["--model", model, "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--resolution", "480x832",
+                          "--frames", "33", "--num-steps", "16", "--selected-steps", "8", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["chosen"]["fits"]

@@ -61,7 +61,8 @@ def test_config_round_trip_and_fields():
     [
         ({"_class_name": "FluxTransformer2DModel"}, "not a Wan transformer config"),
         ({"joint_attention_dim": 4096}, "unknown keys"),
-        ({"image_dim": 1280, "added_kv_proj_dim": 5120}, "I2V"),
+        ({"pos_embed_seq_len": 514}, "FLF2V"),  # image-to-video is supported, first-last-frame is not
+        ({"image_dim": 1280, "added_kv_proj_dim": 5120}, "must be the model width"),
         ({"qk_norm": "rms_norm"}, "qk_norm"),
         ({"patch_size": [1, 2]}, "patch_size"),
     ],
