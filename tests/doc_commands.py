@@ -39,6 +39,8 @@ class Command:
     line: int
     text: str
     background: bool = False
+    block: int = 0
+    """The line of the fenced block it is in: a command may use what the earlier ones of its block wrote."""
 
     @property
     def where(self) -> str:
@@ -135,7 +137,7 @@ def commands_of(text: str, doc: str) -> list[Command]:
         if block.language not in SHELL_LANGUAGES:
             continue
         for line, logical in _logical_lines(block):
-            out += [Command(doc, line, step, background) for step, background in split_steps(logical)]
+            out += [Command(doc, line, step, background, block.line) for step, background in split_steps(logical)]
     return out
 
 

@@ -252,8 +252,8 @@ def test_a_command_parses(command):
 
 
 class Pages:
-    """One sandbox per page; a command runs after its page's earlier commands, and after ``DEMO_TRAIN`` when it
-    names a placeholder of that run."""
+    """One sandbox per page; a command runs after the earlier commands of its block, and after ``DEMO_TRAIN`` when
+    it names a placeholder of that run."""
 
     def __init__(self, base: Path) -> None:
         self.base, self.sandboxes, self.results = base, {}, {}
@@ -267,7 +267,7 @@ class Pages:
         if command.text in self.results:
             return self.results[command.text]
         for earlier in RUNNABLE[:RUNNABLE.index(command)]:
-            if earlier.doc == command.doc:
+            if (earlier.doc, earlier.block) == (command.doc, command.block):
                 self.run(earlier)
         if "RUN" in command.text or "<N>" in command.text:
             self.run(next(c for c in RUNNABLE if c.text == DEMO_TRAIN.text))
