@@ -64,6 +64,17 @@ def fenced_blocks(text: str, doc: str) -> list[Block]:
     return blocks
 
 
+def file_blocks(text: str, doc: str) -> dict[str, str]:
+    """The blocks a page asks the reader to save: those whose first line is a comment naming a file
+    (``# my_rewards.py``), by file name."""
+    out = {}
+    for block in fenced_blocks(text, doc):
+        match = re.fullmatch(r"(?:#|//) ([\w.-]+\.\w+)", block.lines[0].strip()) if block.lines else None
+        if match:
+            out[match.group(1)] = "\n".join(block.lines) + "\n"
+    return out
+
+
 def _outside_quotes(text: str):
     """(index, char, outside) for each character: outside is False inside '...' or "..." (backslash-escaped
     characters count as quoted)."""

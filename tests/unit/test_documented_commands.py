@@ -2,15 +2,16 @@
 the reason it cannot run here.
 
 The commands are read from the pages' fenced ``bash`` / ``sh`` / ``shell`` / ``console`` blocks
-(``tests/doc_commands.py``: continuations joined, comments dropped, ``&&`` chains cut into steps). Each page's
-commands run in order in a sandbox of their own, a fresh directory laid out as a checkout, so that a page's later
-commands see what its earlier ones wrote, as a reader's shell would. A command missing from ``NOT_RUN`` is run; a
-new command that cannot run fails until it is listed here with its reason. A listed command still has its flags
-and config keys checked against the tools' own parsers and the config schema.
+(``tests/doc_commands.py``: continuations joined, comments dropped, ``&&`` chains cut into steps). Each page runs
+in a sandbox of its own, a fresh directory laid out as a checkout, and a command runs after the earlier commands
+of its block, so that it sees what they wrote, as a reader's shell would. A command missing from ``NOT_RUN`` is
+run; a new command that cannot run fails until it is listed here with its reason. Every command also has its
+flags and config keys checked against the tools' own parsers and the config schema, in the quick tier.
 
-Placeholders are filled in one way, ``PLACEHOLDERS``: ``RUN`` is the run directory that the README's training
-command (``DEMO_TRAIN``) writes in the README's sandbox, ``<N>`` its last step, and the example reward server's port
-``8765`` a free port.
+A block whose first line is a comment naming a file (``# my_rewards.py``) is saved under that name in its page's
+sandbox first. Placeholders are filled in one way, ``placeholders()``: ``RUN`` is the run directory that the
+README's training command (``DEMO_TRAIN``) writes in the README's sandbox, ``<N>`` its last step, and the example
+reward server's port ``8765`` a free port.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_commands import (Command, Sandbox, commands_of, config_word, fenced_blocks, free_port,
+from tests.doc_commands import (Command, Sandbox, commands_of, config_word, fenced_blocks, file_blocks, free_port,
                                 override_words, produced_paths, program_words)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,6 +228,8 @@ def test_the_reader_takes_commands_as_a_shell_does():
                    (5, "step3", False), (7, "server --port 1", True), (13, "one two", False),
                    (16, "three", False)], got
     assert program_words("A=1 B=2 tool --x") == ["tool", "--x"]
+    assert file_blocks("```python\n# my_file.py\nx = 1\n```\n```python\nnot saved\n```\n", "page.md") == {
+        "my_file.py": "# my_file.py\nx = 1\n"}
     assert fill("--src RUN/checkpoints/step_<N> --port 8765 RUNS", {"RUN": "/r", "<N>": "4", "8765": "9"}) == \
         "--src /r/checkpoints/step_4 --port 9 RUNS"
 
@@ -259,8 +262,11 @@ class Pages:
         self.base, self.sandboxes, self.results = base, {}, {}
 
     def sandbox(self, page: str) -> Sandbox:
+        """The page's sandbox, holding the files the page asks the reader to save (``file_blocks``)."""
         if page not in self.sandboxes:
-            self.sandboxes[page] = Sandbox(self.base / page.replace("/", "_"), ROOT)
+            box = self.sandboxes[page] = Sandbox(self.base / page.replace("/", "_"), ROOT)
+            for name, text in file_blocks((ROOT / page).read_text(encoding="utf-8"), page).items():
+                (box.path / name).write_text(text)
         return self.sandboxes[page]
 
     def run(self, command: Command):
@@ -280,8 +286,11 @@ class Pages:
         return self.results[command.text]
 
     def failed_before(self, command: Command) -> list[str]:
-        return [c.where for c in RUNNABLE[:RUNNABLE.index(command)] if c.text in self.results
-                and self.results[c.text] is not None and self.results[c.text].returncode != EXPECTED_EXIT.get(c.text, 0)]
+        """The commands it ran after (its block's earlier ones, the demo run) that failed."""
+        before = [c for c in RUNNABLE[:RUNNABLE.index(command)]
+                  if (c.doc, c.block) == (command.doc, command.block) or c.text == DEMO_TRAIN.text]
+        return [c.where for c in before if self.results.get(c.text) is not None
+                and self.results[c.text].returncode != EXPECTED_EXIT.get(c.text, 0)]
 
     def close(self) -> None:
         for box in self.sandboxes.values():
