@@ -66,8 +66,9 @@ NOT_RUN = {
     "/tmp/pickscore_all.txt --out datasets/pickscore_flux_t5 --dtype bfloat16 --device cuda": (
         GPU, "T5-XXL over the prompt set on a GPU, from the downloaded FLUX.1-dev"),
     "torchrun --standalone --nproc-per-node 8 -m leangrpo_mcore.train "
-    "--config yaml_configs/flux_dev/flowgrpo_lora.yaml model.path=models/FLUX.1-dev/transformer model.text_encoder_path=models/FLUX.1-dev "
-    "model.vae_path=models/FLUX.1-dev/vae reward.options.path=models/PickScore_v1 "
+    "--config yaml_configs/flux_dev/flowgrpo_lora.yaml model.path=models/FLUX.1-dev/transformer "
+    "model.text_encoder_path=models/FLUX.1-dev model.vae_path=models/FLUX.1-dev/vae "
+    "reward.options.path=models/PickScore_v1 "
     "reward.options.processor_path=models/CLIP-ViT-H-14-laion2B-s32B-b79K data.prompts=datasets/pickscore": (
         GPU, "FLUX.1-dev on 8 GPUs from the downloads"),
     "torchrun --nproc-per-node 8 -m leangrpo_mcore.train --config yaml_configs/flux_dev/flowgrpo_lora.yaml "
