@@ -46,5 +46,8 @@ one sweep_selected_ws1     --config $B/flux_sweep.yaml --steps 3 --warmup 1 \
                            --sweep grpo.timestep_fraction=0.17,0.34,0.5,0.67,0.99
 two sweep_tokens_ws2       --config $B/flux_sweep.yaml --steps 3 --warmup 1 --sweep sampler.height=128,256,512
 two sd3_flowgrpo_ws2       --config $B/sd3_flowgrpo.yaml       --schedules $ALL --steps 3 --warmup 1 --check-parity
+# two experts of the Wan shape (Wan2.2-A14B's routing); Native coalesces, so native_coalesced is its one Native
+two wan_a14b_dancegrpo_ws2 --config $B/wan_a14b_dancegrpo.yaml --schedules native,retain,reweight --steps 3 --warmup 1 \
+                           --check-parity
 one sd3_flowgrpo_ws1       --config $B/sd3_flowgrpo.yaml       --steps 3 --warmup 1
 echo "done: $OUT"

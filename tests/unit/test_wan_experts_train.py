@@ -82,3 +82,33 @@ def test_bad_expert_settings_are_one_line(pipeline_root, tmp_path, capsys):
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and "Traceback" not in err and message in errors[0], err
+
+
+def test_lora_on_both_experts_exports_merged_or_per_component(tmp_path):
+    from safetensors.torch import load_file
+
+    from leangrpo_mcore.models import LoRAConfig, apply_lora, build_policy, merge_lora, save_policy
+    from leangrpo_mcore.models.wan import mcore_to_diffusers
+
+    policy = build_policy({"family": "wan", "preset": "wan-tiny-a14b"}, seed=1, backend="local")
+    apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, targets=("to_q", "to_v")), seed=0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 0.3)
+    save_policy(policy, tmp_path / "ours")
+    assert convert_main(["mcore-to-diffusers", "--src", str(tmp_path / "ours"), "--dst", str(tmp_path / "kept"),
+                         "--keep-lora"]) == 0
+    for component, expert in (("transformer", "high"), ("transformer_2", "low")):
+        adapters = load_file(str(tmp_path / "kept" / component / "pytorch_lora_weights.safetensors"))
+        assert adapters and all(k.startswith("transformer.blocks.") for k in adapters)
+        ours = dict(policy.named_parameters())
+        a = adapters["transformer.blocks.1.attn2.to_v.lora_A.weight"]
+        assert torch.equal(a, ours[f"{expert}.layers.1.attn2.to_v.lora_A.weight"])
+    assert convert_main(["mcore-to-diffusers", "--src", str(tmp_path / "ours"), "--dst", str(tmp_path / "merged")]) == 0
+    merge_lora(policy)
+    expected = mcore_to_diffusers({k: v.detach() for k, v in policy.named_parameters() if "lora_" not in k},
+                                  policy.config)
+    for component in ("transformer", "transformer_2"):
+        merged = WanTransformer3DModel.from_pretrained(str(tmp_path / "merged" / component)).state_dict()
+        assert all(torch.allclose(merged[k], expected[f"{component}.{k}"], rtol=0, atol=1e-6) for k in merged)
