@@ -296,6 +296,13 @@ def build_text_and_vae(config: Config, family: ModelFamily, diffusers_config: di
                        device: torch.device) -> tuple[TextEncoder, LatentDecoder]:
     """The text encoder and the VAE decoder of a policy of ``diffusers_config``."""
     m, s, fam = config.model, config.sampler, family.name
+    conditioned = fam == "wan" and (diffusers_config.get("image_dim") is not None
+                                    or int(diffusers_config["in_channels"]) > int(diffusers_config["out_channels"]))
+    if conditioned:
+        raise UserError("this Wan checkpoint is image-to-video (it reads a conditioning image at every step): a "
+                        "training or evaluation run cannot feed it conditioning images yet; train a text-to-video "
+                        "checkpoint, or drive the policy through WanVelocity with Conditioning.image_latents "
+                        "(docs/models.md, \"Wan image-to-video\")")
     max_length = HASHED_TEXT_LENGTH if m.text_encoder == "hashed" else m.text_max_length
     dims = TextDims.for_policy(fam, diffusers_config, max_length=max_length)
     guidance = s.guidance_scale if diffusers_config.get("guidance_embeds") else None

@@ -189,3 +189,14 @@ def test_image_conditioning_configs():
         WanConfig.from_diffusers_config({**PRESETS["wan2.1-i2v-14b"], "pos_embed_seq_len": 514})
     with pytest.raises(UserError, match="both image_dim and added_kv_proj_dim"):
         WanConfig.from_diffusers_config({**PRESETS["tiny"], "image_dim": 20})
+
+
+def test_a_run_of_an_image_to_video_checkpoint_is_one_error_line(tmp_path, capsys):
+    from leangrpo_mcore.cli.train import main as train_main
+
+    argv = ["--config", "yaml_configs/tiny/wan.yaml", "model.preset=wan-tiny-i2v", f"train.output_dir={tmp_path}",
+            "parallel.dp_shard=1", "parallel.dp_replicate=1", "parallel.reshard_after_forward=true"]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err and "image-to-video" in errors[0], err
