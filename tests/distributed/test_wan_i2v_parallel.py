@@ -79,3 +79,44 @@ def test_pipeline_stages_compose_with_image_tokens():
                 if not stage.post_process:
                     assert tuple(boundary.shape) == shape
         assert torch.equal(boundary, expected), arch
+
+
+def _schedules(rank: int, world_size: int) -> dict:
+    from leangrpo_mcore.parallel.mesh import destroy_parallel_context
+    from tests.unit.test_schedules_parity import run_case
+    from tests.unit.test_wan_i2v_parity import CLIP, EXPERTS, FIRST_FRAME
+
+    out = {}
+    for name, case in (("clip", CLIP), ("experts", EXPERTS), ("first_frame", FIRST_FRAME)):
+        for schedule in ("native", "retain", "reweight"):  # FSDP2 over both ranks, Native synced as Retain
+            out[f"{name}_{schedule}"] = run_case(case.but(schedule=schedule, sync="coalesced"))
+        destroy_parallel_context()
+        for schedule in ("native", "retain", "reweight"):  # the ranks as the CP ranks of each sample
+            out[f"{name}_cp_{schedule}"] = run_case(case.but(schedule=schedule, sync="coalesced", cp=2))
+        destroy_parallel_context()
+    return out
+
+
+def test_schedules_agree_with_image_conditioning_at_world_size_2_and_cp_2():
+    import numpy as np
+
+    from tests.unit.test_schedules_parity import check_parity, rel_l2, run_case
+    from tests.unit.test_wan_i2v_parity import CLIP, EXPERTS, FIRST_FRAME
+
+    ranks = run_ranks(_schedules, 2, timeout=560)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reference = {name: run_case(case) for name, case in (("clip", CLIP), ("experts", EXPERTS),
+                                                              ("first_frame", FIRST_FRAME))}
+    finally:
+        torch.set_num_threads(threads)
+    for out in ranks:
+        for name, ref in reference.items():
+            for layout in (name, f"{name}_cp"):
+                native, retain, reweight = (out[f"{layout}_{s}"] for s in ("native", "retain", "reweight"))
+                check_parity(native, retain, reweight, tol=3e-6)
+                np.testing.assert_allclose(native.rewards, ref.rewards, rtol=1e-5, atol=1e-5)
+                assert rel_l2(ref.grads[0], native.grads[0]) < 1e-5, (layout, rel_l2(ref.grads[0], native.grads[0]))
+    # the shared layout splits each group: the ranks made different generations
+    assert not np.array_equal(ranks[0]["clip_native"].trajectory, ranks[1]["clip_native"].trajectory)

@@ -86,6 +86,9 @@ class Case:
     """Wan only: a two-expert policy (the tiny Wan2.2-A14B, boundary 0.875) training ``both``, ``high`` or ``low``."""
     max_grad_norm: float = 1.0
     """optim.max_grad_norm (0: no clipping, the optimizer sees the reduced gradients themselves)."""
+    image: Optional[str] = None
+    """Wan only, image-to-video: ``concat`` (the tiny Wan2.1-I2V: mask and image latents beside the noisy ones,
+    CLIP tokens; two experts with ``experts``: Wan2.2-I2V-A14B) or ``first_frame`` (Wan2.2-TI2V's)."""
 
     def but(self, **changes) -> "Case":
         """A copy with ``changes``."""
@@ -146,7 +149,7 @@ def _setup(case: Case, pp_rank: int = 0):
     from leangrpo_mcore.models.common.tp import full_shape, shard_tensor
 
     heads = {} if case.heads is None else {"num_attention_heads": case.heads}
-    preset = "wan-tiny-a14b" if case.experts else "tiny"
+    preset = _preset(case)
     policy = build_policy({"family": case.family, "preset": preset, **heads}, seed=0, backend="local")
     if case.lora:
         apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, targets=("to_q", "to_v")), seed=0)
@@ -178,10 +181,9 @@ def _setup(case: Case, pp_rank: int = 0):
                             negative_encoder_hidden_states=torch.randn(p, 5, 24, generator=gen),
                             negative_pooled_projections=torch.randn(p, 20, generator=gen))
     else:
-        velocity = WanVelocity(policy, cfg_scale=4.0)
+        velocity = WanVelocity(policy, cfg_scale=4.0, first_frame=case.image == "first_frame")
         shape, kind, noise = (4, 1, 4, 4), case.sde_kind or "wan", 0.7
-        cond = Conditioning(encoder_hidden_states=torch.randn(p, 5, 16, generator=gen),
-                            negative_encoder_hidden_states=torch.randn(p, 5, 16, generator=gen))
+        cond = _wan_conditioning(case, p, gen)
     if kind == "dance_grpo":
         sigmas, noise = get_sigmas("dance", case.num_steps, shift=3.0), 0.3
     elif case.family == "flux":
@@ -193,6 +195,28 @@ def _setup(case: Case, pp_rank: int = 0):
     return policy, velocity, shape, sigmas, kind, noise, cond
 
 
+def _preset(case: Case) -> str:
+    """The tiny preset of ``case``: one transformer or two experts, text- or image-to-video."""
+    if case.image == "concat":
+        return "wan-tiny-i2v-a14b" if case.experts else "wan-tiny-i2v"
+    return "wan-tiny-a14b" if case.experts else "tiny"
+
+
+def _wan_conditioning(case: Case, p: int, gen: torch.Generator) -> Conditioning:
+    """Text and negative text, and the image's conditioning fields of an image-to-video ``case``."""
+    image = {}
+    if case.image == "concat":  # 4 mask + 4 image-latent channels; CLIP tokens for the one-expert checkpoint
+        mask = torch.zeros(p, 4, 1, 4, 4)
+        mask[:, :, 0] = 1.0
+        image["image_latents"] = torch.cat([mask, torch.randn(p, 4, 1, 4, 4, generator=gen)], dim=1)
+        if not case.experts:
+            image["image_embeds"] = torch.randn(p, 7, 20, generator=gen)
+    elif case.image == "first_frame":
+        image["image_latents"] = torch.randn(p, 4, 1, 4, 4, generator=gen)
+    return Conditioning(encoder_hidden_states=torch.randn(p, 5, 16, generator=gen),
+                        negative_encoder_hidden_states=torch.randn(p, 5, 16, generator=gen), **image)
+
+
 def _stage_of(whole: torch.nn.Module, case: Case, pp_rank: int) -> torch.nn.Module:
     """Pipeline stage ``pp_rank`` of ``whole`` (same values, same names, same trainable parameters)."""
     from leangrpo_mcore.models import LoRAConfig, apply_lora, build_policy, mark_only_lora_trainable
@@ -200,7 +224,7 @@ def _stage_of(whole: torch.nn.Module, case: Case, pp_rank: int) -> torch.nn.Modu
 
     heads = {} if case.heads is None else {"num_attention_heads": case.heads}
     stage = split_blocks(whole.config.num_layers, case.pp)[pp_rank]
-    preset = "wan-tiny-a14b" if case.experts else "tiny"
+    preset = _preset(case)
     policy = build_policy({"family": case.family, "preset": preset, **heads}, seed=0, backend="local", stage=stage)
     if case.lora:
         apply_lora(policy, LoRAConfig(rank=2, alpha=4.0, targets=("to_q", "to_v")), seed=0, require_match=False)
