@@ -179,7 +179,7 @@ class WanVelocity(_PolicyVelocity):
     def _image_inputs(self, latents: torch.Tensor, timestep: torch.Tensor,
                       conditioning: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
         """(the policy's hidden states, its timestep) with the conditioning image put where the policy reads it."""
-        dtype, image, config = self.compute_dtype, conditioning.image_latents, self.policy.config
+        dtype, image, config = self.compute_dtype, conditioning.image_latents, getattr(self.policy, "config", None)
         hidden = latents.to(dtype)
         if self.first_frame:
             if image is None or image.shape[2] != 1:
