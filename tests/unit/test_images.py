@@ -13,7 +13,7 @@ from leangrpo_mcore.data.images import ConditioningImages, ImageFiles, ImageRead
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
 from leangrpo_mcore.errors import UserError
 
-pytest.importorskip("nvidia.dali", reason="conditioning images need DALI (the 'dali' extra) is not installed")
+pytest.importorskip("nvidia.dali", reason="DALI (nvidia-dali-cuda120, in the 'dali' and 'test' extras) is not installed")
 
 SIZES = [(97, 61), (60, 80), (300, 400), (480, 360), (64, 64), (37, 50)]
 TARGETS = [(64, 64), (32, 48), (96, 64)]
