@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from leangrpo_mcore.engine.throughput import TIMED_SCALARS
 from tests.ckpt_helpers import model_tensors
 from tests.distributed.launcher import run_ranks
 
@@ -44,7 +45,9 @@ def _runs(rank: int, world_size: int, demo: str, broken: str, missing: str, out:
     common = ["--config", CONFIG, *clip, "train.max_steps=2", "checkpoint.save_every=1", "logging.tensorboard=false"]
     return [_main_capturing([*common, f"data.prompts={demo}/data", f"train.output_dir={out}/edit"]),
             _main_capturing([*common, f"data.prompts={broken}", f"train.output_dir={out}/broken"]),
-            _main_capturing([*common, f"data.prompts={missing}", f"train.output_dir={out}/missing"])]
+            _main_capturing([*common, f"data.prompts={missing}", f"train.output_dir={out}/missing"]),
+            _main_capturing([*common, f"data.prompts={demo}/data", f"train.output_dir={out}/async",
+                             "reward.async_scoring=true"])]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,7 @@ def test_tiny_edit_run_trains_with_side_by_side_samples_and_an_evaluation(runs):
 def test_a_broken_or_missing_image_is_one_line_naming_file_and_row(runs):
     root, _, results = runs
     for rank, rank_results in enumerate(results):
-        (broken, broken_lines, broken_tb), (missing, missing_lines, missing_tb) = rank_results[1:]
+        (broken, broken_lines, broken_tb), (missing, missing_lines, missing_tb) = rank_results[1:3]
         assert (broken, missing, broken_tb, missing_tb) == (2, 2, False, False)
         if rank:  # the job's line is printed once, by rank 0 in this harness
             assert broken_lines == missing_lines == []
@@ -108,3 +111,18 @@ def test_a_broken_or_missing_image_is_one_line_naming_file_and_row(runs):
         assert len(missing_lines) == 1 and "does not exist" in missing_lines[0], missing_lines
         assert "row 4 does not exist" in missing_lines[0] and "data.prompts" in missing_lines[0]
     assert not (root / "out" / "missing" / "metrics.jsonl").exists()
+
+
+def test_background_scoring_gives_the_rewards_the_same_sources(runs):
+    """reward.async_scoring hands each sample's source to the reward on the decoding thread: the same run."""
+    root, _, results = runs
+    assert all(rank_results[3] == (0, [], False) for rank_results in results)
+    timing = ("time_", "max_rss", *TIMED_SCALARS)
+
+    def rows(name):
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(timing)}
+                for line in (root / "out" / name / "metrics.jsonl").read_text().splitlines()]
+
+    assert rows("async") == rows("edit")
+    assert (root / "out" / "async" / "samples" / "step_2.png").read_bytes() == \
+        (root / "out" / "edit" / "samples" / "step_2.png").read_bytes()
