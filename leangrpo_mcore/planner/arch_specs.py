@@ -154,8 +154,8 @@ class ArchSpec:
     def tokens(self, height: int, width: int, frames: int = 1, text_tokens: int = 512, *,
                reference: bool = False) -> dict[str, int]:
         """Tokens per sample of each stream (``image``, ``text``, ``joint``, ``sample``) at a resolution, and
-        ``reference``: the conditioning image's tokens among the image ones (FLUX.1-Kontext's reference image at the
-        generated image's size, with ``reference``; 0 without)."""
+        with ``reference`` also ``reference``: the conditioning image's tokens among the image ones (FLUX.1-Kontext's
+        reference image at the generated image's size)."""
         if height <= 0 or width <= 0 or frames <= 0 or text_tokens < 0:
             raise UserError(f"resolution {height}x{width}x{frames} and text tokens {text_tokens} must be positive")
         s = self.spatial_stride
@@ -172,9 +172,10 @@ class ArchSpec:
         image = (latent_frames // self.temporal_patch) * (height // s) * (width // s)
         if reference and self.family != "flux":
             raise UserError(f"{self.name}: the planner counts conditioning-image tokens of FLUX.1-Kontext only")
-        extra = image if reference else 0
-        return {"image": image + extra, "text": text_tokens, "joint": image + extra + text_tokens, "sample": 1,
-                "reference": extra}
+        tokens = {"image": image, "text": text_tokens, "joint": image + text_tokens, "sample": 1}
+        if reference:  # the source's tokens, as many as the generated image's, are image tokens to every layer
+            tokens.update(image=2 * image, joint=2 * image + text_tokens, reference=image)
+        return tokens
 
     def _patch_elements(self) -> int:
         return self.temporal_patch * (self.spatial_stride // self.vae_stride) ** 2 * self.latent_channels

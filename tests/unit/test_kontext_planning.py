@@ -56,6 +56,18 @@ def test_a_config_with_images_plans_its_reference_tokens(capsys):
         load_arch("wan2.1-1.3b").tokens(480, 832, 5, reference=True)
 
 
+def test_the_simulated_config_of_flux_kontext_dev_has_its_images():
+    """``leangrpo-plan --model flux-kontext-dev --simulate`` simulates a config that conditions on images."""
+    from leangrpo_mcore.cli.plan import build_parser, workload_from_args
+    from leangrpo_mcore.planner.simulate_plan import flags_config
+
+    args = build_parser().parse_args(["--model", "flux-kontext-dev", *HW])
+    work = workload_from_args(args, 8)
+    config = flags_config(work, height=1024, width=1024, frames=1, cfg_scale=1.0)
+    assert config.data.images and config.model.preset == "flux-kontext-dev"
+    assert tokens_of(config, work.arch, text_tokens=512) == work.tokens
+
+
 @pytest.mark.slow
 def test_simulated_step_holds_the_reference_tokens_activations():
     """The same tiny Retain step simulated with and without the source image: the kept graphs grow with the image
