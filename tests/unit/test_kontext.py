@@ -140,3 +140,29 @@ def test_conditioning_carries_reference_rows_through_select_and_cat():
         Conditioning(encoder_hidden_states=torch.zeros(3, 2, 4), reference_latents=torch.zeros(2, 1, 1))
     with pytest.raises(ValueError, match="None in some items only"):
         Conditioning.cat([cond, Conditioning(encoder_hidden_states=torch.zeros(1, 2, 4))])
+
+
+class _Images:
+    """Conditioning images by prompt id (a gradient whose brightness is the id), recording each load."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+
+    def load(self, ids):
+        self.calls.append(list(ids))
+        ramp = torch.linspace(0, 1, 16).expand(3, 16, 16)
+        return torch.stack([(ramp * (i % 5 + 1) / 5) for i in ids])
+
+
+def test_step_references_encode_each_held_slot_once_and_poison_the_others():
+    from leangrpo_mcore.engine.references import StepReferences
+
+    images, decoder = _Images(), build_vae("tiny", "flux", latent_channels=4, spatial_factor=8, seed=5)
+    references = StepReferences(images, decoder, "flux", slots=[2, 0, 2])
+    cond, sources = references.attach(Conditioning(encoder_hidden_states=torch.zeros(3, 2, 4)), [7, 8, 9])
+    assert images.calls == [[7, 9]]  # this rank's slots 0 and 2, one read
+    expected = encode_references("flux", decoder, _Images().load([7, 9]))["reference_latents"]
+    assert torch.equal(cond.reference_latents[[0, 2]], expected) and torch.isnan(cond.reference_latents[1]).all()
+    assert sorted(sources) == [7, 9] and torch.equal(sources[9], _Images().load([9])[0])
+    shared = cond.select([0, 0, 2])  # the generations of a group share their slot's encoding
+    assert torch.equal(shared.reference_latents[0], shared.reference_latents[1])
