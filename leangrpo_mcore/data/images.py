@@ -9,7 +9,8 @@ reads it, in one line naming the file and its row.
 ``VaeImageProcessor.resize(..., resize_mode="crop")`` (what the FLUX.1-Kontext and Wan image pipelines' processors
 do): scale the image so that it covers H x W, keeping its aspect ratio, with PIL's Lanczos filter, then cut the
 centre. DALI decodes (``cpu``, or ``mixed``: nvJPEG on the GPU) and resamples; to land where PIL does, within one
-uint8 level:
+uint8 level (DALI tabulates its Lanczos kernel, so a pass's rounding can differ by a level; on photographs two
+levels were seen on about one pixel in a million):
 
 - the passes are PIL's: horizontal, rounded and clipped to uint8, then vertical;
 - PIL renormalises the kernel where it hangs over an edge, DALI's resize repeats the edge pixel. Each pass
