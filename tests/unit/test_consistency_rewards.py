@@ -86,3 +86,37 @@ def test_a_reward_that_needs_the_source_is_refused_without_images(tmp_path):
     with pytest.raises(UserError, match="data.images=true: model.family=wan takes no conditioning image"):
         wan = load_config("yaml_configs/tiny/wan.yaml", ["data.images=true"])
         build.build_data_parts(wan, *build.policy_hyper(wan), torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_the_reward_bridge_hands_each_sample_its_source_in_the_foreground_and_the_background(clip_dir):
+    """RewardBridge: the conditioning image of each sample's prompt reaches the weighted reward's consistency
+    component, the same through ``submit`` (reward.async_scoring), and each captured sample keeps its source."""
+    from leangrpo_mcore.data.prompts import PromptDataset
+    from leangrpo_mcore.data.vae import build_vae
+    from leangrpo_mcore.engine.samples import to_uint8
+    from leangrpo_mcore.engine.trainer import RewardBridge
+
+    options = {"clip_consistency": {"path": clip_dir}, "clip_score": {"path": clip_dir}}
+    config = load_config("yaml_configs/flux_kontext/tiny_edit.yaml",
+                         [f"reward.options.reward_options.{k}.path={clip_dir}" for k in options])
+    reward = build_reward("weighted", weights={"clip_consistency": 0.2, "clip_score": 0.8}, reward_options=options)
+    decoder = build_vae("tiny", "flux", latent_channels=4, spatial_factor=8, seed=0)
+    dataset = PromptDataset(["make the square red", "remove the circle"])
+    bridge = RewardBridge(build.DataParts(dataset, None, None, decoder, reward), config)
+    gen = torch.Generator().manual_seed(0)
+    sources = {0: torch.rand(3, 32, 32, generator=gen), 1: torch.rand(3, 32, 32, generator=gen)}
+    latents, ids = torch.randn(3, 4, 16, generator=gen), torch.tensor([1, 0, 1])
+    bridge.begin_step(True, sources)
+    now = bridge(latents, ids)
+    kept = bridge.samples
+    bridge.begin_step(True, sources)
+    later = bridge.submit(latents, ids).result()
+    bridge.close()
+    assert torch.equal(now, later) and bridge.error is None
+    assert all(np.array_equal(item[5], to_uint8(sources[item[3]][None])[0]) for item in kept)
+    images = decoder.decode(latents, height=32, width=32).images
+    expected = reward(images, [dataset[i] for i in ids.tolist()], None, torch.stack([sources[i] for i in ids.tolist()]))
+    torch.testing.assert_close(now, expected)
+    swapped = reward(images, [dataset[i] for i in ids.tolist()], None, torch.stack([sources[1 - i] for i in ids.tolist()]))
+    assert not torch.equal(now, swapped)  # the right source reached each sample
