@@ -39,6 +39,7 @@ def _source_image() -> torch.Tensor:
     return image.unsqueeze(0)
 
 
+@pytest.mark.slow
 def test_rollout_equals_diffusers_flux_kontext_pipeline(kontext):
     """The same noise, text embeddings and source image through FluxKontextPipeline's Euler sampler (ODE) and
     through our policy's rollout: equal final latents to fp32 rounding (the source image encoded by each side)."""
