@@ -41,7 +41,7 @@ def _check_batch(name: str, tensor: torch.Tensor, ndim: int, batch: int) -> None
 
 @dataclass
 class Conditioning:
-    """Text conditioning of B samples; every field has the batch dimension first."""
+    """Conditioning of B samples (text, and a conditioning image); every field has the batch dimension first."""
 
     encoder_hidden_states: torch.Tensor
     """(B, L, D) text-encoder tokens (T5 for FLUX and Wan)."""
@@ -53,10 +53,12 @@ class Conditioning:
     """(B,) distilled-guidance scale (FLUX-dev), or None."""
     negative_pooled_projections: torch.Tensor | None = None
     """(B, P) pooled embedding of the negative prompt (SD3's classifier-free guidance), or None."""
-    image_latents: torch.Tensor | None = None
-    """(B, C', F', h, w) float32 latents of a Wan conditioning image as the policy reads them
-    (``data/wan_image.py``): the first-frame mask and image latents that a channel-concatenated I2V checkpoint
-    reads beside the noisy latents, or Wan2.2-TI2V's first latent frame (F' = 1); None without an image."""
+    reference_latents: torch.Tensor | None = None
+    """(B, ...) float32 conditioning image of each sample as its family's reference encoder makes it
+    (:mod:`leangrpo_mcore.data.reference`; FLUX.1-Kontext: packed VAE tokens (B, S_ref, 4·C); Wan: the first-frame
+    mask and image latents (B, 4 + C, F', h, w) a channel-concatenated image-to-video checkpoint reads beside the
+    noisy latents, or Wan2.2-TI2V's first latent frame (B, C, 1, h, w)), or None without image conditioning. The
+    family's velocity function decides how the policy sees it."""
     image_embeds: torch.Tensor | None = None
     """(B, I, D) CLIP tokens of the conditioning image (Wan2.1-I2V), or None."""
 
@@ -76,10 +78,14 @@ class Conditioning:
             )
         batch = self.num_samples
         for name, ndim in (("pooled_projections", 2), ("negative_encoder_hidden_states", 3), ("guidance", 1),
-                           ("negative_pooled_projections", 2), ("image_latents", 5), ("image_embeds", 3)):
+                           ("negative_pooled_projections", 2), ("image_embeds", 3)):
             value = getattr(self, name)
             if value is not None:
                 _check_batch(f"conditioning.{name}", value, ndim, batch)
+        reference = self.reference_latents
+        if reference is not None and (reference.ndim < 2 or reference.shape[0] != batch):
+            raise ValueError(f"conditioning.reference_latents must have batch {batch} first, got shape "
+                             f"{tuple(reference.shape)}")
 
     def select(self, indices: Indices) -> Conditioning:
         """The conditioning of the samples at ``indices`` (in that order)."""
@@ -128,7 +134,7 @@ class Trajectory:
     generation_ids: torch.Tensor
     """(B,) long: the index of each sample within its prompt's group."""
     conditioning: Conditioning
-    """The text conditioning of the B samples."""
+    """The conditioning of the B samples (text, and a conditioning image where the run has one)."""
     final_latents: torch.Tensor
     """(B, *shape) float32: x_T, the decoded result."""
 

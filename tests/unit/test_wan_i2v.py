@@ -133,7 +133,7 @@ def test_wan21_i2v_rollout_equals_the_pipeline(tmp_path, image):
     decoder = LatentDecoder(pipe.vae, "wan")
     condition = concat_condition(decoder, pixels, FRAMES, temporal=4).expand(2, -1, -1, -1, -1)
     clip = clip_image_tokens(encoder, processor, pixels).expand(2, -1, -1)
-    cond = Conditioning(encoder_hidden_states=text, negative_encoder_hidden_states=negative, image_latents=condition,
+    cond = Conditioning(encoder_hidden_states=text, negative_encoder_hidden_states=negative, reference_latents=condition,
                         image_embeds=clip)
     assert _rel(_rollout(policy, noise, cond), expected) <= 1e-5
     # the mask: one channel per frame of the first temporal group, 1 on the image frame only
@@ -153,7 +153,7 @@ def test_wan22_i2v_a14b_rollout_equals_the_pipeline(tmp_path, image):
     assert policy.config.boundary_ratio == 0.9 and policy.config.diffusers_pipeline == "WanImageToVideoPipeline"
     condition = concat_condition(LatentDecoder(pipe.vae, "wan"), _pixels(image), FRAMES, temporal=4)
     cond = Conditioning(encoder_hidden_states=text, negative_encoder_hidden_states=negative,
-                        image_latents=condition.expand(2, -1, -1, -1, -1))
+                        reference_latents=condition.expand(2, -1, -1, -1, -1))
     assert _rel(_rollout(policy, noise, cond), expected) <= 1e-5
     assert convert_main(["diffusers-to-mcore", "--model", "wan", "--src", str(tmp_path / "pipe"), "--dst",
                          str(tmp_path / "ours")]) == 0
@@ -171,7 +171,7 @@ def test_ti2v_first_frame_rollout_equals_the_pipeline(tmp_path, image):
     expected = _run_pipeline(pipe, image, noise, text, negative)
     policy = load_policy(tmp_path / "pipe" / "transformer", backend="local")
     first = first_frame_condition(LatentDecoder(pipe.vae, "wan"), _pixels(image)).expand(2, -1, -1, -1, -1)
-    cond = Conditioning(encoder_hidden_states=text, negative_encoder_hidden_states=negative, image_latents=first)
+    cond = Conditioning(encoder_hidden_states=text, negative_encoder_hidden_states=negative, reference_latents=first)
     # the sampler's latents are the frames to generate; the image is the first latent frame of the result
     generated = _rollout(policy, noise[:, :, 1:], cond, first_frame=True)
     assert _rel(first, expected[:, :, :1]) <= 1e-6  # (z - mean) / std here, (z - mean) * (1 / std) there
