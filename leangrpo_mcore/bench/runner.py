@@ -109,7 +109,8 @@ class Bench:
         self.bridge = RewardBridge(self.data, config)
         # every prompt slot's conditioning image, whatever the layouts of the arms (their samples may differ)
         self.references = None if self.data.images is None else StepReferences(
-            self.data.images, self.data.decoder, source.family.name, range(config.grpo.prompts_per_step))
+            self.data.images, self.data.decoder, source.family.name, range(config.grpo.prompts_per_step),
+            build.reference_run(config, source.hyper))
         self._sources: Optional[dict] = None
         own = layout_name(int(pctx.layout.dp_shard), int(pctx.layout.dp_replicate))
         labels = list(options.schedules)

@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resolution", help="pixels: 512 or HEIGHTxWIDTH (default 512)")
     p.add_argument("--frames", type=int, help="video frames in pixel space (default 1)")
     p.add_argument("--image-conditioning", choices=("on", "off"),
-                   help="a conditioning image per sample (FLUX.1-Kontext: its tokens join the generated ones; "
-                        f"default on for {', '.join(sorted(IMAGE_CONDITIONED))}, off otherwise)")
+                   help="a conditioning image per sample (FLUX.1-Kontext: its tokens join the generated ones; Wan2.2-TI2V: "
+                        "it takes the first latent frame; a channel-concatenated Wan I2V checkpoint always reads one "
+                        f"through its channels); default on for {', '.join(sorted(IMAGE_CONDITIONED))}, off otherwise")
     p.add_argument("--num-steps", type=int, help="denoising steps T (default 16)")
     p.add_argument("--selected-steps", type=int, help="trained steps |S| per sample (default T-1)")
     p.add_argument("--group-size", type=int, help="generations per prompt M (default 8)")

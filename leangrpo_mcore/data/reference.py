@@ -8,7 +8,9 @@ A policy family that takes a conditioning image registers a :class:`ReferenceEnc
 resolution (one per prompt group: every generation of a group shares its encoding) and returns
 :class:`~leangrpo_mcore.diffusion.trajectory.Conditioning` fields, batch first, which ride with the text
 conditioning through the sampler, the trajectories and every schedule; ``shapes(latent_shape)`` says the
-per-sample shape of each field for a policy latent of ``latent_shape`` (what the step simulator allocates). The
+per-sample shape of each field for a policy latent of ``latent_shape`` (what the step simulator allocates). A family
+whose encoding depends on the checkpoint and the run registers ``bind(run)`` instead, which returns the encoder of
+a :class:`ReferenceRun` (Wan: the image-to-video layout of the checkpoint and the run's frame count). The
 second half is the family's velocity function (:mod:`leangrpo_mcore.diffusion.velocity`): how the policy's forward
 sees those fields and which of its output tokens are generated. docs/architecture.md lists both under the
 extension points.
@@ -17,7 +19,7 @@ extension points.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -26,13 +28,34 @@ from leangrpo_mcore.errors import UserError
 
 
 @dataclass(frozen=True)
+class ReferenceRun:
+    """What an encoder may depend on beyond the images: the checkpoint and the run."""
+
+    hyper: dict
+    """The policy's diffusers-style hyper-parameters."""
+    frames: int = 1
+    """``sampler.frames``: pixel frames of a video."""
+
+
+@dataclass(frozen=True)
 class ReferenceEncoder:
     """How one family turns conditioning images into conditioning fields (module doc)."""
 
-    encode: Callable[[LatentDecoder, torch.Tensor], "dict[str, torch.Tensor]"]
+    encode: Optional[Callable[[LatentDecoder, torch.Tensor], "dict[str, torch.Tensor]"]] = None
     """``(decoder, images (n, 3, H, W) in [0, 1]) -> {Conditioning field: (n, ...) tensor}``."""
-    shapes: Callable[[tuple[int, ...]], "dict[str, tuple[int, ...]]"]
+    shapes: Optional[Callable[[tuple[int, ...]], "dict[str, tuple[int, ...]]"]] = None
     """``(policy latent shape) -> {Conditioning field: per-sample shape}``."""
+    bind: Optional[Callable[[ReferenceRun], "ReferenceEncoder"]] = None
+    """``(run) -> the encoder of that run`` (UserError, one line, for a checkpoint or run it cannot condition),
+    for a family whose encoding depends on them; None: ``encode`` and ``shapes`` serve every run."""
+
+    def of(self, run: Optional[ReferenceRun]) -> "ReferenceEncoder":
+        """The encoder of ``run``."""
+        if self.bind is None:
+            return self
+        if run is None:
+            raise ValueError("this family's reference encoder depends on the run: pass its ReferenceRun")
+        return self.bind(run)
 
 
 REFERENCE_ENCODERS: dict[str, ReferenceEncoder] = {}
@@ -46,27 +69,31 @@ def register_reference_encoder(family: str, encoder: ReferenceEncoder) -> Refere
     return encoder
 
 
-def check_image_conditioning(family: str) -> ReferenceEncoder:
-    """The reference encoder of policy family ``family``; UserError when it takes no conditioning image."""
+def check_image_conditioning(family: str, run: Optional[ReferenceRun] = None) -> ReferenceEncoder:
+    """The reference encoder of policy family ``family`` (of ``run`` where the family's depends on it); UserError
+    when it takes no conditioning image."""
     if family not in REFERENCE_ENCODERS:
         takes = ", ".join(sorted(REFERENCE_ENCODERS)) or "none"
         raise UserError(f"data.images=true: model.family={family} takes no conditioning image (families that do: "
                         f"{takes})")
-    return REFERENCE_ENCODERS[family]
+    encoder = REFERENCE_ENCODERS[family]
+    return encoder if run is None and encoder.bind is not None else encoder.of(run)
 
 
 @torch.no_grad()
-def encode_references(family: str, decoder: LatentDecoder, images: torch.Tensor) -> dict[str, torch.Tensor]:
+def encode_references(family: str, decoder: LatentDecoder, images: torch.Tensor,
+                      run: Optional[ReferenceRun] = None) -> dict[str, torch.Tensor]:
     """The conditioning fields of ``images`` (n, 3, H, W) in [0, 1] for a policy of ``family``, float32."""
-    encoder = check_image_conditioning(family)
+    encoder = check_image_conditioning(family).of(run)
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"conditioning images must be (n, 3, H, W), got {tuple(images.shape)}")
     return {name: value.to(torch.float32) for name, value in encoder.encode(decoder, images).items()}
 
 
-def reference_shapes(family: str, latent_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+def reference_shapes(family: str, latent_shape: tuple[int, ...],
+                     run: Optional[ReferenceRun] = None) -> dict[str, tuple[int, ...]]:
     """The per-sample shape of each conditioning field a policy of ``family`` and ``latent_shape`` receives."""
-    return check_image_conditioning(family).shapes(tuple(latent_shape))
+    return check_image_conditioning(family).of(run).shapes(tuple(latent_shape))
 
 
 def _kontext(decoder: LatentDecoder, images: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -77,3 +104,32 @@ def _kontext(decoder: LatentDecoder, images: torch.Tensor) -> dict[str, torch.Te
 
 register_reference_encoder("flux", ReferenceEncoder(encode=_kontext,
                                                     shapes=lambda shape: {"reference_latents": shape}))
+
+
+def wan_reference_encoder(run: ReferenceRun) -> ReferenceEncoder:
+    """Wan image-to-video (``data/wan_image.py``): a checkpoint whose input channels exceed its output channels reads
+    the first-frame mask and the image latents of the run's video beside the noisy latents; one with as many
+    (Wan2.2-TI2V-5B, trained for it) takes the image's latent frame in place of its first frame, and the sampler's
+    latents are the frames after it. Wan2.1-I2V's CLIP image tokens are not read by a run."""
+    from leangrpo_mcore.data.wan_image import concat_condition, first_frame_condition
+
+    channels, out = int(run.hyper["in_channels"]), int(run.hyper.get("out_channels") or run.hyper["in_channels"])
+    if run.hyper.get("image_dim") is not None:
+        raise UserError("data.images=true: this Wan checkpoint also reads CLIP image tokens (image_dim), which a "
+                        "run does not compute; the channel-concatenated checkpoints without them (Wan2.2-I2V-A14B) "
+                        "and Wan2.2-TI2V-5B train")
+    temporal = int(run.hyper.get("vae_scale_factor_temporal") or 4)
+    if channels > out:
+        return ReferenceEncoder(
+            encode=lambda decoder, images: {"reference_latents": concat_condition(decoder, images, run.frames,
+                                                                                  temporal)},
+            shapes=lambda shape: {"reference_latents": (channels - out, *shape[1:])})
+    if (run.frames - 1) // temporal < 1:
+        raise UserError(f"data.images=true: Wan's image takes the first latent frame, so a video needs frames to "
+                        f"generate after it: sampler.frames >= {temporal + 1}, got {run.frames}")
+    return ReferenceEncoder(encode=lambda decoder, images: {"reference_latents": first_frame_condition(decoder,
+                                                                                                        images)},
+                            shapes=lambda shape: {"reference_latents": (shape[0], 1, *shape[2:])})
+
+
+register_reference_encoder("wan", ReferenceEncoder(bind=wan_reference_encoder))

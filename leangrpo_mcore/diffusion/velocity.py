@@ -101,6 +101,11 @@ class _PolicyVelocity:
         scheduler_t = timesteps_from_sigmas(sigma, self.sigma_kind)
         return transformer_timestep(scheduler_t, self.family, dtype=self.compute_dtype)
 
+    def finished(self, latents: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """The finished samples of a rollout's final ``latents`` (B, *shape): what is decoded (the latents
+        themselves; Wan's first-frame image-to-video puts the image frame in front)."""
+        return latents
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """Evaluate the reference policy: the same weights with every LoRA adapter disabled."""
@@ -241,6 +246,12 @@ class WanVelocity(_PolicyVelocity):
         return dict(hidden_states=torch.cat([hidden, hidden]), timestep=torch.cat([timestep, timestep]),
                     encoder_hidden_states=torch.cat([negative.to(dtype), context]), **extra)
 
+    def finished(self, latents: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """The finished videos: with ``first_frame`` the image's latent frame and the generated ones after it."""
+        if not self.first_frame:
+            return latents
+        return torch.cat([conditioning.reference_latents.to(latents.device, latents.dtype), latents], dim=2)
+
     def velocity_from_output(self, out: torch.Tensor) -> torch.Tensor:
         """The float32 velocity of the policy's output (the CFG combination of both branches; with
         ``first_frame`` the generated frames only)."""
@@ -307,6 +318,15 @@ class SplitVelocity:
         return self.inner.reference()
 
 
+def finish_latents(velocity_fn, latents: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+    """``finished`` of the family's velocity function inside ``velocity_fn`` (which may wrap it: context
+    parallelism, pipeline stages): the samples to decode from whole final latents."""
+    inner = velocity_fn
+    while not hasattr(inner, "finished") and hasattr(inner, "inner"):
+        inner = inner.inner
+    return inner.finished(latents, conditioning) if hasattr(inner, "finished") else latents
+
+
 def build_velocity_fn(
     family: str,
     policy: torch.nn.Module,
@@ -315,15 +335,16 @@ def build_velocity_fn(
     latent_height: int = 0,
     latent_width: int = 0,
     cfg_scale: float = 1.0,
+    first_frame: bool = False,
 ) -> FluxVelocity | WanVelocity:
     """The velocity function of a ``flux``, ``sd3`` or ``wan`` policy (latent grid sizes are FLUX's VAE latent
-    grid)."""
+    grid; ``first_frame``: Wan's first-frame image-to-video)."""
     if family == "flux":
         if cfg_scale != 1.0:
             raise ValueError("FLUX uses the guidance embedding; set sampler.cfg_scale to 1")
         return FluxVelocity(policy, latent_height=latent_height, latent_width=latent_width, sigma_kind=sigma_kind)
     if family == "wan":
-        return WanVelocity(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale)
+        return WanVelocity(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale, first_frame=first_frame)
     if family == "sd3":
         return SD3Velocity(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale)
     raise ValueError(f"unknown policy family {family!r}; valid: flux, sd3, wan")

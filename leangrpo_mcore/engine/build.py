@@ -20,7 +20,7 @@ from leangrpo_mcore.config.schema import Config, RewardConfig as RewardSection
 from leangrpo_mcore.data.conditioning import TextDims, TextEncoder, build_text_encoder
 from leangrpo_mcore.data.images import ConditioningImages, ImageFiles, ImageReader
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
-from leangrpo_mcore.data.reference import check_image_conditioning
+from leangrpo_mcore.data.reference import ReferenceRun, check_image_conditioning
 from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
 from leangrpo_mcore.diffusion.selection import ExpertSteps
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
@@ -291,19 +291,32 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
     dataset = prompts_from("data.prompts", config.data.prompts, "train")
     sampler = PromptSampler(len(dataset), config.grpo.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
-    images = conditioning_images(config, family, dataset, "data.prompts", device)
+    images = conditioning_images(config, family, dataset, "data.prompts", device, diffusers_config)
     text, decoder = build_text_and_vae(config, family, diffusers_config, device)
     reward = _reward(config) if pctx is None else scoring_reward(lambda: _reward(config), pctx)
     return DataParts(dataset, sampler, text, decoder, reward, images)
 
 
+def reference_run(config: Config, diffusers_config: dict) -> ReferenceRun:
+    """What a family's reference encoder may depend on: the checkpoint's hyper-parameters and the run's frames."""
+    return ReferenceRun(hyper=dict(diffusers_config), frames=config.sampler.frames)
+
+
+def first_frame_conditioning(config: Config, family_name: str, diffusers_config: dict) -> bool:
+    """Whether the run conditions a Wan policy on an image in place of the first latent frame (``data.images``
+    with a checkpoint of as many input as output channels: Wan2.2-TI2V's image-to-video)."""
+    hyper = diffusers_config
+    return (config.data.images and family_name == "wan"
+            and int(hyper["in_channels"]) == int(hyper.get("out_channels") or hyper["in_channels"]))
+
+
 def conditioning_images(config: Config, family: ModelFamily, dataset: PromptDataset, key: str,
-                        device: torch.device) -> Optional[ConditioningImages]:
+                        device: torch.device, diffusers_config: dict) -> Optional[ConditioningImages]:
     """The conditioning images of ``dataset`` (config key ``key``) at the sampler's resolution with
     ``data.images``, else None; every row's file is checked to exist now."""
     if not config.data.images:
         return None
-    check_image_conditioning(family.name)
+    check_image_conditioning(family.name, reference_run(config, diffusers_config))
     batch = max(config.grpo.prompts_per_step, config.schedule.micro_batch)
     reader = ImageReader(config.sampler.height, config.sampler.width, device=device, batch_size=batch)
     return ConditioningImages(ImageFiles.of(dataset, key), reader)
@@ -323,11 +336,10 @@ def build_text_and_vae(config: Config, family: ModelFamily, diffusers_config: di
     m, s, fam = config.model, config.sampler, family.name
     conditioned = fam == "wan" and (diffusers_config.get("image_dim") is not None
                                     or int(diffusers_config["in_channels"]) > int(diffusers_config["out_channels"]))
-    if conditioned:
-        raise UserError("this Wan checkpoint is image-to-video (it reads a conditioning image at every step): a "
-                        "training or evaluation run cannot feed it conditioning images yet; train a text-to-video "
-                        "checkpoint, or drive the policy through WanVelocity with Conditioning.reference_latents "
-                        "(docs/models.md, \"Wan image-to-video\")")
+    if conditioned and not config.data.images:
+        raise UserError("this Wan checkpoint is image-to-video (it reads a conditioning image at every step): set "
+                        "data.images=true with a prompt set whose rows name their images (docs/models.md, \"Wan "
+                        "image-to-video\")")
     max_length = HASHED_TEXT_LENGTH if m.text_encoder == "hashed" else m.text_max_length
     dims = TextDims.for_policy(fam, diffusers_config, max_length=max_length)
     guidance = s.guidance_scale if diffusers_config.get("guidance_embeds") else None
@@ -342,8 +354,11 @@ def build_text_and_vae(config: Config, family: ModelFamily, diffusers_config: di
 
 
 def latent_channels(family: ModelFamily, diffusers_config: dict) -> int:
-    """VAE latent channels of a policy (FLUX packs 2x2 patches: in_channels = 4 C)."""
+    """VAE latent channels of a policy (FLUX packs 2x2 patches: in_channels = 4 C; a Wan image-to-video checkpoint
+    reads its conditioning channels beside the latents: its out_channels)."""
     channels = int(diffusers_config["in_channels"])
+    if family.name == "wan":
+        return int(diffusers_config.get("out_channels") or channels)
     return channels // 4 if family.name == "flux" else channels
 
 
@@ -351,7 +366,10 @@ def policy_latent_shape(config: Config, policy: torch.nn.Module, family: ModelFa
     """Shape of one sampler latent of ``policy`` at the sampler's resolution and frames."""
     s, hyper = config.sampler, policy.config.to_diffusers_config()
     factor, channels = spatial_factor(family.name, hyper), latent_channels(family, hyper)
-    return latent_shape(family.name, s.height, s.width, s.frames, channels, spatial_factor=factor)
+    shape = latent_shape(family.name, s.height, s.width, s.frames, channels, spatial_factor=factor)
+    if first_frame_conditioning(config, family.name, hyper):  # the image is the first frame: sample the others
+        return (shape[0], shape[1] - 1, *shape[2:])
+    return shape
 
 
 def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -365,10 +383,11 @@ def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> to
 def build_velocity(config: Config, parts: PolicyParts, pctx: ParallelContext, *, cfg_scale: float):
     """The policy's velocity function with classifier-free guidance ``cfg_scale``, across the pipeline stages at
     ``parallel.pp`` > 1 (the step engine and the evaluator split it over the CP ranks themselves)."""
-    s, fam = config.sampler, parts.family.name
-    factor = spatial_factor(fam, parts.policy.config.to_diffusers_config())
+    s, fam, hyper = config.sampler, parts.family.name, parts.policy.config.to_diffusers_config()
+    factor = spatial_factor(fam, hyper)
     velocity = build_velocity_fn(fam, parts.policy, sigma_kind=s.sigma_schedule, latent_height=s.height // factor,
-                                 latent_width=s.width // factor, cfg_scale=cfg_scale)
+                                 latent_width=s.width // factor, cfg_scale=cfg_scale,
+                                 first_frame=first_frame_conditioning(config, fam, hyper))
     if pctx.layout.pp > 1:
         compute = run_precision(config.model, config.parallel, config.schedule).compute
         velocity = StagedVelocity(velocity, StageLink(pctx, torch_dtype(compute)))

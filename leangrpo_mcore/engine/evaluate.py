@@ -33,6 +33,7 @@ from leangrpo_mcore.data.vae import DecodedImages, LatentDecoder
 from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, rollout_together
 from leangrpo_mcore.diffusion.seeding import eval_inputs
 from leangrpo_mcore.diffusion.trajectory import Conditioning
+from leangrpo_mcore.diffusion.velocity import finish_latents
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.launch import raise_if_any
 from leangrpo_mcore.engine.samples import beside_sources, save_grid, to_uint8, video_to_uint8
@@ -150,7 +151,8 @@ class Evaluator:
         self.text_encoder, self.decoder, self.rewards = text_encoder, decoder, rewards
         self.dataset = eval_dataset(config)
         key = "eval.prompts" if e.prompts is not None else "data.prompts"
-        self.images = build.conditioning_images(config, parts.family, self.dataset, key, pctx.device)
+        self.images = build.conditioning_images(config, parts.family, self.dataset, key, pctx.device,
+                                                parts.policy.config.to_diffusers_config())
         self._sources: dict[int, torch.Tensor] = {}
         self.samples_per_prompt = e.samples_per_prompt
         self.shape = build.policy_latent_shape(config, parts.policy, parts.family)
@@ -226,7 +228,9 @@ class Evaluator:
         cond = self._conditioning(self.dataset.get([i for i, _ in pairs]))
         references = self._references(pairs)
         if references is not None:
-            cond = dataclasses.replace(cond, **encode_references(self.parts.family.name, self.decoder, references))
+            run = build.reference_run(self.config, self.parts.policy.config.to_diffusers_config())
+            cond = dataclasses.replace(cond, **encode_references(self.parts.family.name, self.decoder, references,
+                                                                 run))
         cond = cond.to(device)
         loop = RolloutLoop(init.to(device), self.sigmas, cond, sde=self.sde,
                            selected=torch.zeros(batch, steps, dtype=torch.bool),
@@ -240,7 +244,8 @@ class Evaluator:
         while not loop.done:
             loop.step(self.velocity)
         final = loop.trajectory().final_latents
-        return self.split.gather(final) if self.split is not None else final
+        final = self.split.gather(final) if self.split is not None else final
+        return finish_latents(self.velocity, final, cond)
 
     def _score(self, latents: torch.Tensor, pairs: list[tuple[int, int]], keep: int) -> list[tuple]:
         """(i, j, {reward: value}, grid item or None) of each sample (the first ``keep`` keep their images)."""

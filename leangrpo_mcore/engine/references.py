@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from leangrpo_mcore.data.images import ConditioningImages
-from leangrpo_mcore.data.reference import encode_references
+from leangrpo_mcore.data.reference import ReferenceRun, encode_references
 from leangrpo_mcore.data.vae import LatentDecoder
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.engine.launch import raise_if_any
@@ -25,9 +25,11 @@ from leangrpo_mcore.errors import UserError
 class StepReferences:
     """Attaches each step's conditioning images to its conditioning (module doc)."""
 
-    def __init__(self, images: ConditioningImages, decoder: LatentDecoder, family: str, slots: Sequence[int]) -> None:
-        """``slots``: the prompt slots this rank holds generations of (the step engine's shares)."""
-        self.images, self.decoder, self.family = images, decoder, family
+    def __init__(self, images: ConditioningImages, decoder: LatentDecoder, family: str, slots: Sequence[int],
+                 run: Optional[ReferenceRun] = None) -> None:
+        """``slots``: the prompt slots this rank holds generations of (the step engine's shares); ``run``: the
+        checkpoint and run, for a family whose encoding depends on them (Wan)."""
+        self.images, self.decoder, self.family, self.run = images, decoder, family, run
         self.slots = sorted(set(int(s) for s in slots))
 
     def attach(self, conditioning: Conditioning, prompt_ids: Sequence[int]
@@ -42,7 +44,7 @@ class StepReferences:
         except UserError as err:
             error = str(err)
         raise_if_any(error)
-        fields = encode_references(self.family, self.decoder, pixels) if self.slots else {}
+        fields = encode_references(self.family, self.decoder, pixels, self.run) if self.slots else {}
         rows = torch.tensor(self.slots, dtype=torch.long)
         attached = {}
         for name, value in fields.items():

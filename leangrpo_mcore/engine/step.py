@@ -54,6 +54,7 @@ from leangrpo_mcore.diffusion.sampler import (RolloutInputs, RolloutLoop, SDEPar
                                               rollout_together)
 from leangrpo_mcore.diffusion.selection import ExpertSteps, check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
+from leangrpo_mcore.diffusion.velocity import finish_latents
 from leangrpo_mcore.diffusion.window import SDEWindow, compress_after_window, optimizer_steps_before
 from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
 from leangrpo_mcore.parallel.fsdp import StepGathering, reshard_policy
@@ -528,8 +529,9 @@ class StepEngine:
         if scoring is not None:
             yield self._join_group(*scoring, timer), scoring[1]
 
-    def _submit(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> Future:
+    def _submit(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor, conditioning: Conditioning) -> Future:
         """A Future of ``reward_fn``'s rewards: its own ``submit`` where it has one, else a worker thread."""
+        final_latents = finish_latents(self.velocity_fn, final_latents, conditioning)
         submit = getattr(self.reward_fn, "submit", None)
         if callable(submit):
             return submit(final_latents, prompt_ids)
@@ -578,10 +580,10 @@ class StepEngine:
                         loop.step(self.velocity_fn)
             trajectories.append(loop.trajectory())
             if plan.async_scoring:
-                rewards.append(self._submit(trajectories[-1].final_latents, ids))
+                rewards.append(self._submit(trajectories[-1].final_latents, ids, trajectories[-1].conditioning))
                 continue
             with timer.phase("reward"):
-                local = self._score(trajectories[-1].final_latents, ids)
+                local = self._score(trajectories[-1].final_latents, ids, trajectories[-1].conditioning)
             if schedule is not None:
                 schedule.on_rewards((share.prompt_slot, mb), plan.total(local))
             rewards.append(local)
@@ -627,17 +629,20 @@ class StepEngine:
             draws = dataclasses.replace(draws, selected=draws.selected & plan.experts.trained(sigmas))
         return sigmas, draws
 
-    def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
+    def _score(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
         """(B,) checked rewards of a micro-batch, scored once per sample: under CP the whole latents on CP rank 0,
         under PP on the last stage (every stage holds the same latents), under both on CP rank 0 of the last
-        stage; the other ranks of the sample receive the result (or the error)."""
+        stage; the other ranks of the sample receive the result (or the error). What is scored are the finished
+        samples (:func:`~leangrpo_mcore.diffusion.velocity.finish_latents`)."""
         batch, components = final_latents.shape[0], self.plan.components
         # the scorer's result travels along its pipeline (from the last stage), then across the CP ranks of each stage
         hops = [(self.ctx.pp_group, int(self.ctx.layout.pp) - 1)] if self.ctx.pp_group is not None else []
         hops += [(self.ctx.cp_group, 0)] if self.split is not None else []
         if not hops:
-            return _check_rewards(self.reward_fn(final_latents, prompt_ids), batch, components)
+            finished = finish_latents(self.velocity_fn, final_latents, conditioning)
+            return _check_rewards(self.reward_fn(finished, prompt_ids), batch, components)
         whole = self.split.gather(final_latents) if self.split is not None else final_latents
+        whole = finish_latents(self.velocity_fn, whole, conditioning)
         outcome: list = [None]
         if all(dist.get_rank(group) == src for group, src in hops):
             try:

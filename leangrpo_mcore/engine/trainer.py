@@ -350,7 +350,8 @@ class Trainer:
         self.bridge = RewardBridge(self.data, config)
         self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
         self.references = None if self.data.images is None else StepReferences(
-            self.data.images, self.data.decoder, self.family.name, [s.prompt_slot for s in self.engine.shares])
+            self.data.images, self.data.decoder, self.family.name, [s.prompt_slot for s in self.engine.shares],
+            build.reference_run(config, self.hyper))
         if self.schedule == "reweight":
             plan = self.engine.plan.reweight_plan()
             logger.info("Reweight accumulates %s provisional gradients (in %s)%s%s", plan.accumulate,

@@ -106,7 +106,7 @@ def _conditioning(config: Config, hyper: dict, family: str, prompts: int,
     """Zeros in the shapes the configured text encoder (and with ``data.images`` the family's reference encoder)
     gives ``prompts`` prompts."""
     from leangrpo_mcore.data.conditioning import TextDims
-    from leangrpo_mcore.data.reference import reference_shapes
+    from leangrpo_mcore.data.reference import ReferenceRun, reference_shapes
     from leangrpo_mcore.engine.build import HASHED_TEXT_LENGTH
 
     m, s = config.model, config.sampler
@@ -118,8 +118,9 @@ def _conditioning(config: Config, hyper: dict, family: str, prompts: int,
     guidance = torch.full((prompts,), s.guidance_scale) if hyper.get("guidance_embeds") else None
     # SD3's guidance also reads the negative prompt's pooled vector
     negative_pooled = torch.zeros_like(pooled) if negative is not None and family == "sd3" else None
-    references = {name: torch.zeros(prompts, *shape) for name, shape in reference_shapes(family, latent_shape).items()} \
-        if config.data.images else {}
+    run = ReferenceRun(hyper=dict(hyper), frames=s.frames)
+    references = {name: torch.zeros(prompts, *shape)
+                  for name, shape in reference_shapes(family, latent_shape, run).items()} if config.data.images else {}
     return Conditioning(tokens, pooled, negative, guidance, negative_pooled, **references)
 
 

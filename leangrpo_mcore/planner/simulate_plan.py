@@ -56,9 +56,15 @@ def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_sc
         "parallel": {"layout": work.layout, "reshard_after_forward": work.reshard_after_forward,
                      "reduce_dtype": "float32" if work.precision.buffer_bytes == 4 else "bfloat16"},
         "optim": {"name": work.optimizer},
-        "data": {"images": work.tokens.get("reference", 0) > 0},
+        "data": {"images": work.tokens.get("reference", 0) > 0 or _reads_channels(work)},
     }
     return build_config(data)
+
+
+def _reads_channels(work: Workload) -> bool:
+    """Whether the policy reads a conditioning image through its input channels (Wan's I2V checkpoints)."""
+    c = work.arch.config
+    return work.arch.family == "wan" and int(c["in_channels"]) > int(c.get("out_channels") or c["in_channels"])
 
 
 def _selected_of(work: Workload) -> int:

@@ -1,0 +1,90 @@
+"""Wan image-to-video through ``leangrpo-train`` on 2 gloo ranks (one spawn): the tiny TI2V-layout config trains
+with each prompt's image in place of the first latent frame (the sampler draws the frames after it, the decoded
+videos start from it), writes [source | result] samples and an evaluation on the test split's images; a
+channel-concatenated two-expert checkpoint (Wan2.2-I2V-A14B's layout) trains; the CLIP-token checkpoint and an I2V
+checkpoint without images are one error line each."""
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launcher import run_ranks
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("nvidia.dali", reason="DALI (nvidia-dali-cuda120, in the 'dali' and 'test' extras) is not installed")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "yaml_configs" / "tiny" / "wan_ti2v_i2v.yaml")
+
+
+def _main_capturing(argv: list) -> tuple:
+    """(exit code, the 'error:' lines, whether a traceback was printed) of one in-process run."""
+    from leangrpo_mcore.cli.train import main as train_main
+
+    stream = io.StringIO()
+    with contextlib.redirect_stderr(stream):
+        code = train_main(argv)
+    text = stream.getvalue()
+    return code, [line for line in text.splitlines() if line.startswith("error:")], "Traceback" in text
+
+
+def _runs(rank: int, world_size: int, root: str) -> dict:
+    from leangrpo_mcore.engine import build
+
+    torch.set_num_threads(1)
+    shapes = []
+    real = build.build_engine
+    build.build_engine = lambda *a, **k: shapes.append(real(*a, **k)) or shapes[-1]
+    data = f"data.prompts={root}/demo/data"
+    try:
+        out = {"ti2v": _main_capturing(["--config", CONFIG, data, f"train.output_dir={root}/ti2v"])}
+        out["latent_shape"] = shapes[0].plan.latent_shape
+        out["concat"] = _main_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v-a14b", "train.max_steps=1",
+                                         "eval.every=0", "logging.sample_every=0", f"train.output_dir={root}/concat"])
+        out["clip"] = _main_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v",
+                                       f"train.output_dir={root}/clip"])
+        out["no_images"] = _main_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v-a14b",
+                                            "data.images=false", f"train.output_dir={root}/no_images"])
+    finally:
+        build.build_engine = real
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan_i2v")
+    done = subprocess.run([sys.executable, "tools/make_edit_demo.py", str(root / "demo")], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root, run_ranks(_runs, 2, str(root), timeout=540)
+
+
+def test_first_frame_image_to_video_trains_with_samples_and_evaluation(runs):
+    import imageio.v3 as iio
+
+    root, ranks = runs
+    for out in ranks:
+        assert out["ti2v"] == (0, [], False)
+        assert out["latent_shape"] == (4, 1, 4, 4)  # 5 frames = the image's latent frame + 1 generated one
+    metrics = [json.loads(line) for line in (root / "ti2v" / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2 and all(m["reward_mean"] == m["reward_mean"] for m in metrics)
+    evaluation = [json.loads(line) for line in (root / "ti2v" / "eval.jsonl").read_text().splitlines()]
+    assert evaluation and evaluation[-1]["num_prompts"] == 2
+    # the sample videos decode both latent frames (1 + 4 pixel frames): the image's frame leads each video
+    assert iio.imread(root / "ti2v" / "samples" / "step_2.mp4").shape[0] == 5
+    assert (root / "ti2v" / "samples" / "eval_step_2.png").is_file()
+
+
+def test_channel_concatenated_experts_train_and_the_rest_is_one_line(runs):
+    _, ranks = runs
+    assert all(out["concat"] == (0, [], False) for out in ranks)
+    for name, message in (("clip", "CLIP image tokens"), ("no_images", "set data.images=true")):
+        assert all(out[name][0] == 2 and not out[name][2] for out in ranks), name
+        errors = [line for out in ranks for line in out[name][1]]  # the job prints its error once
+        assert len(errors) == 1 and message in errors[0], (name, errors)
