@@ -190,3 +190,24 @@ def test_image_to_video_architectures_count_their_conditioning(capsys):
         assert plan_main(["--model", model, "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--resolution", "480x832",
                           "--frames", "33", "--num-steps", "16", "--selected-steps", "8", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["chosen"]["fits"]
+
+
+def test_ti2v_image_to_video_plans_the_generated_frames(capsys):
+    from leangrpo_mcore.cli.plan import main as plan_main
+
+    config = load_config("yaml_configs/wan/dancegrpo_ti2v_5b_i2v.yaml")
+    work = workload_from_config(config)
+    # 480x832x33 on the 16x VAE: 9 latent frames of 30 x 52 / 4 tokens; the image's frame is the reference
+    assert work.tokens["image"] == 9 * 390 and work.tokens["reference"] == 390
+    assert work.arch.latent_elements(work.tokens) == 8 * 390 * 4 * 48  # the trajectories store the generated frames
+    assert work.arch.reference_elements(work.tokens) == 390 * 4 * 48
+    argv = ["--model", "wan2.2-ti2v-5b", "--gpus-per-node", "8", "--gpu-mem-gb", "80", "--resolution", "480x832",
+            "--frames", "33", "--json"]
+    assert plan_main(argv + ["--image-conditioning", "on"]) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert plan_main(argv) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert on["chosen"]["fits"] and off["chosen"]["fits"]
+    assert plan_main(["--config", "yaml_configs/wan/dancegrpo_ti2v_5b_i2v.yaml", "--gpus-per-node", "8",
+                      "--gpu-mem-gb", "80", "--top", "2"]) == 0
+    assert "(of which 390 of the conditioning image)" in capsys.readouterr().out
