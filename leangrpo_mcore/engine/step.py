@@ -54,7 +54,8 @@ from leangrpo_mcore.diffusion.sampler import (RolloutInputs, RolloutLoop, SDEPar
                                               rollout_together)
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
-from leangrpo_mcore.diffusion.window import SDEWindow, compress_after_window, optimizer_steps_before
+from leangrpo_mcore.diffusion.sigmas import SigmaSpec
+from leangrpo_mcore.diffusion.window import SDEWindow, optimizer_steps_before, rollout_schedule
 from leangrpo_mcore.engine.optim import clip_grad_norm_, optimizer_step, trainable_parameters
 from leangrpo_mcore.parallel.fsdp import StepGathering, reshard_policy
 from leangrpo_mcore.parallel.gathering import ReshardValue, gather_mode, selection_varies_across_ranks
@@ -136,18 +137,24 @@ class StepPlan:
     FlowGRPO-Fast's random window per prompt group)."""
     ode_solver: str = "euler"
     """Solver of the ODE steps outside the SDE window: euler or dpmpp_2m."""
+    ode_before_window: str = "same"
+    """sampler.ode_solver_before_window: same (``ode_solver``) or euler before a row's SDE window."""
+    sigma_spec: Optional[SigmaSpec] = None
+    """The formula of ``sigmas`` (re-spaces the tail after the window for a ratio of steps; None: no ratio)."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, latent_shape: tuple[int, ...], sigmas: torch.Tensor,
-                    schedule: Optional[str] = None) -> "StepPlan":
-        """From a :class:`Config` (``schedule`` overrides ``cfg.schedule.name``, e.g. after the planner)."""
+                    schedule: Optional[str] = None, sigma_spec: Optional[SigmaSpec] = None) -> "StepPlan":
+        """From a :class:`Config` (``schedule`` overrides ``cfg.schedule.name``, e.g. after the planner;
+        ``sigma_spec`` the formula of ``sigmas``)."""
         s, g = cfg.sampler, cfg.grpo
         window = s.sde_window_size
         return cls(
             schedule=schedule or cfg.schedule.name, group_size=g.group_size, prompts_per_step=g.prompts_per_step,
             latent_shape=tuple(latent_shape), sigmas=sigmas.to(torch.float32),
             sde=SDEParams.from_sigmas(s.sde_kind, s.noise_level, sigmas),
-            objective=Objective(clip_range=g.clip_range, kl_beta=g.kl_beta, kl_form=g.kl_form),
+            objective=Objective(clip_range=g.clip_range, kl_beta=g.kl_beta, kl_form=g.kl_form,
+                                ratio_norm=g.ratio_norm, grad_reweight=g.grad_reweight),
             selection={"method": g.timestep_selection, "fraction": g.timestep_fraction, "window_size": window,
                        "window_range": tuple(s.sde_window_range)},
             advantage=g.advantage, adv_clip_max=g.adv_clip_max, global_std=g.global_std,
@@ -162,7 +169,7 @@ class StepPlan:
             window=SDEWindow(size=window, low=int(s.sde_window_range[0]), high=int(s.sde_window_range[-1]),
                              schedule=s.sde_window_schedule, stride=s.window_stride,
                              shift_every=s.window_shift_every, ode_steps_after=s.ode_steps_after_window or 0),
-            ode_solver=s.ode_solver,
+            ode_solver=s.ode_solver, ode_before_window=s.ode_solver_before_window, sigma_spec=sigma_spec,
         )
 
     @property
@@ -184,7 +191,7 @@ class StepPlan:
         w = self.sde_window
         if window_start is None or not w.ode_steps_after:
             return self.sigmas
-        return compress_after_window(self.sigmas, window_start + w.size, w.ode_steps_after)
+        return rollout_schedule(self.sigmas, window_start + w.size, w.ode_steps_after, self.sigma_spec)
 
     @property
     def components(self) -> int:
@@ -260,7 +267,7 @@ class StepPlan:
         check_selection(sel["method"], self.num_steps, sel["fraction"], sel.get("window_size", 0),
                         sel.get("window_range", (0, 1)))
         window = self.sde_window
-        window.check(self.num_steps, self.ode_solver)
+        window.check(self.num_steps, self.ode_solver, self.ode_before_window)
         bounds = sel.get("window_range", (0, 1))
         if (window.size, window.low, window.high) != (sel.get("window_size", 0), int(bounds[0]), int(bounds[-1])):
             raise ValueError("the plan's window and its selection disagree on the window's size or range")
@@ -323,6 +330,8 @@ class UpdateResult:
     clip_fraction: float
     max_local_grad_buffers: int = 0
     """Most provisional gradients held at once on this rank (Reweight)."""
+    per_step: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    """Per trained denoising step t: (Σρ, clipped ratios, ratios) over the data-parallel ranks."""
 
 
 @dataclass
@@ -571,7 +580,8 @@ class StepEngine:
                                                        else schedule.on_step((share.prompt_slot, mb), cond),
                                                        sigmas.numel() - 1),
                            forward_context=self.precision, split=self.split,
-                           per_sample_grad=schedule is not None and schedule.per_sample_grad, ode_solver=plan.ode_solver)
+                           per_sample_grad=schedule is not None and schedule.per_sample_grad, ode_solver=plan.ode_solver,
+                           ode_before_window=plan.ode_before_window, keep_means=plan.objective.ratio_norm)
         return loop, prompt_ids
 
     def _draw(self, step: int, slots: list[int], ids: list[int]) -> tuple[torch.Tensor, RolloutInputs]:
@@ -691,7 +701,7 @@ class StepEngine:
             norm, clipped = clip_grad_norm_(self.params, self.plan.max_grad_norm, self.ctx)
         with timer.phase("optimizer"):
             optimizer_step(self.optimizer, self.params, self.lr_scheduler)
-        totals = stats.reduced(self.ctx.dp_group, self.ctx.device)
+        totals = stats.reduced(self.ctx.dp_group, self.ctx.device, self.plan.num_steps)
         if self.ctx.pp_group is not None:  # the losses and ratios are the last stage's (megatron's 1F1B)
             shared = [totals]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(self.ctx.pp_group, self.ctx.layout.pp - 1),
@@ -700,4 +710,4 @@ class StepEngine:
         return UpdateResult(schedule=schedule.name, loss=totals["loss"], grad_norm=norm, clipped=clipped,
                             ratio_min=totals["ratio_min"], ratio_max=totals["ratio_max"],
                             ratio_mean=totals["ratio_mean"], clip_fraction=totals["clip_fraction"],
-                            max_local_grad_buffers=stats.max_local_grad_buffers)
+                            max_local_grad_buffers=stats.max_local_grad_buffers, per_step=totals["per_step"])

@@ -37,7 +37,7 @@ from leangrpo_mcore.data.vae import DecodedImages
 from leangrpo_mcore.engine import build, checkpoint
 from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_error, get_logger, init_distributed,
                                           raise_if_any, shutdown)
-from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_stats
+from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, per_step_ratios, reward_stats
 from leangrpo_mcore.engine.preemption import (PreemptionFlag, exit_code, set_aside_interrupted, signal_name,
                                               write_marker)
 from leangrpo_mcore.engine.run_lock import lock_run_dir
@@ -579,6 +579,7 @@ class Trainer:
                "nonfinite_streak": self.state.nonfinite_streak, "time_step_s": elapsed}
         row.update(self.throughput.scalars(elapsed))
         row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
+        row.update(per_step_ratios(updates))
         if result.window_start is not None:
             row["sde_window_start"] = result.window_start
         if result.peak_memory_bytes is not None:
