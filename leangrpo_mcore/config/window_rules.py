@@ -15,6 +15,29 @@ def is_ratio(after: Union[int, float, None]) -> bool:
     return isinstance(after, float) and 0.0 < after < 1.0
 
 
+def ratio_tail_steps(num_steps: int, window_end: int, ratio: float) -> Optional[int]:
+    """MixGRPO-Flash's ODE steps after a window ending at ``window_end`` for a ``ratio`` of the remainder
+    (docs/algorithms.md §8): P = int(max((T − e + 1)·r, 1)) points, the count its sampling code computes from its last
+    SDE step e − 1, so P − 1 steps, at least one; None when that leaves every step of the remainder (or there is
+    none)."""
+    remaining = num_steps - window_end
+    if remaining < 1:
+        return None
+    # the float product and int() truncation of MixGRPO-Flash's own count
+    steps = max(int(max((num_steps - (window_end - 1)) * ratio, 1)) - 1, 1)
+    return None if steps >= remaining else steps
+
+
+def rollout_steps(num_steps: int, window_end: int, after: Union[int, float, None]) -> int:
+    """T', the denoising steps (policy forwards) of a rollout whose shared window ends at ``window_end`` with
+    ``sampler.ode_steps_after_window = after`` (a count, a ratio, or 0 / None: no compression)."""
+    remaining = num_steps - window_end
+    if not after or remaining < 1:
+        return num_steps
+    tail = ratio_tail_steps(num_steps, window_end, float(after)) if is_ratio(after) else int(after)
+    return num_steps if tail is None or tail >= remaining else window_end + tail
+
+
 def window_error(*, size: int, low: int, high: int, schedule: str, stride: int, shift_every: int,
                  ode_steps_after: Union[int, float, None], ode_solver: str, num_steps: int,
                  ode_solver_before: str = "same") -> Optional[str]:

@@ -30,12 +30,12 @@ from typing import Optional, Union
 
 import torch
 
-from leangrpo_mcore.config.window_rules import WINDOW_SCHEDULES, is_ratio, window_error
+from leangrpo_mcore.config.window_rules import WINDOW_SCHEDULES, is_ratio, ratio_tail_steps, rollout_steps, window_error
 from leangrpo_mcore.diffusion.sigmas import SigmaSpec
 from leangrpo_mcore.errors import UserError
 
 __all__ = ["SDEWindow", "WINDOW_SCHEDULES", "window_error", "optimizer_steps_before", "compressed_indices",
-           "compress_after_window", "ratio_tail_steps", "rollout_schedule"]
+           "compress_after_window", "ratio_tail_steps", "rollout_schedule", "rollout_steps"]
 
 
 @dataclass(frozen=True)
@@ -105,17 +105,6 @@ def compressed_indices(num_steps: int, window_end: int, ode_steps: int) -> list[
 def compress_after_window(sigmas: torch.Tensor, window_end: int, ode_steps: int) -> torch.Tensor:
     """The (T'+1,) float32 sigmas with the steps after ``window_end`` compressed to ``ode_steps`` ODE steps."""
     return sigmas[compressed_indices(sigmas.numel() - 1, window_end, ode_steps)]
-
-
-def ratio_tail_steps(num_steps: int, window_end: int, ratio: float) -> Optional[int]:
-    """MixGRPO-Flash's step count after a window ending at ``window_end`` (module docstring), None when that leaves
-    every step of the remainder (or there is none)."""
-    remaining = num_steps - window_end
-    if remaining < 1:
-        return None
-    # the float product and int() truncation of MixGRPO-Flash's own count, from its last SDE step e - 1
-    steps = max(int(max((num_steps - (window_end - 1)) * ratio, 1)) - 1, 1)
-    return None if steps >= remaining else steps
 
 
 def rollout_schedule(sigmas: torch.Tensor, window_end: int, after: Union[int, float],

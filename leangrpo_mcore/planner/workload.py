@@ -164,6 +164,11 @@ class Workload:
     """Why Reweight's accumulation fell back from ``affine`` (empty when it did not)."""
     async_scoring: bool = False
     """reward.async_scoring (the trainer refuses it with context parallelism, so the planner offers no cp > 1)."""
+    rollout_steps: Optional[float] = None
+    """T', the policy forwards of a rollout when the steps after a shared SDE window are compressed (MixGRPO-Flash),
+    averaged over the window's starts; None: ``num_steps``."""
+    keep_means: bool = False
+    """grpo.ratio_norm: a trajectory also keeps every step's SDE mean (float32, one latent per step)."""
 
     def __post_init__(self) -> None:
         if min(self.num_steps, self.selected_steps, self.group_size, self.prompts_per_step, self.micro_batch) < 1:
@@ -172,6 +177,20 @@ class Workload:
             raise UserError(f"selected steps ({self.selected_steps}) exceed the steps ({self.num_steps})")
         if self.updates_per_rollout < 1 or self.lora_rank < 0 or self.kl_beta < 0 or self.reward_seconds < 0:
             raise UserError("updates per rollout >= 1, LoRA rank >= 0, KL beta >= 0 and reward time >= 0 needed")
+        if self.rollout_steps is not None and not self.selected_steps <= self.rollout_steps <= self.num_steps:
+            raise UserError(f"rollout forwards ({self.rollout_steps}) must lie between the selected steps "
+                            f"({self.selected_steps}) and the steps ({self.num_steps})")
+
+    @property
+    def forwards_per_rollout(self) -> float:
+        """T' (:attr:`rollout_steps`), else T."""
+        return float(self.num_steps if self.rollout_steps is None else self.rollout_steps)
+
+    @property
+    def first_block(self) -> float:
+        """The share of a step's prompt groups the configured schedule trains: the first of ``updates_per_rollout``
+        blocks (the later ones are Native's, ``engine/step.py``)."""
+        return 1.0 / self.updates_per_rollout
 
     @property
     def full_finetune(self) -> bool:
