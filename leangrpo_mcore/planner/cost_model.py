@@ -386,7 +386,8 @@ def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac:
     grad_bytes = trainable * work.precision.buffer_bytes
     # Unsharded accumulation reads and writes the buffer once per backward; Reweight also scales and sums
     # its Q per-sample buffers once per group.
-    passes = 3 * max(mb * backwards - 1, 0) if coalesced(work, schedule) else 0
+    # (without FSDP every schedule accumulates into the parameters' own gradients alike: nothing extra)
+    passes = 3 * max(mb * backwards - 1, 0) if coalesced(work, schedule) and layout.fsdp else 0
     if schedule == "reweight":  # the groups of its own block
         passes += shape.groups_per_rank * work.first_block * (shape.generations_per_rank + 1)
     buffer_traffic = passes * grad_bytes / (hw.hbm_gbps * 1e9)

@@ -90,12 +90,15 @@ class Hardware:
         return self.reduce_scatter_gbps or self.intra_node_gbps
 
 
-CPU_HOST = {"gpu_tflops": 0.025, "efficiency": 0.5, "intra_node_gbps": 0.5, "inter_node_gbps": 0.1,
+CPU_HOST = {"gpu_tflops": 0.06, "efficiency": 0.7, "intra_node_gbps": 0.5, "inter_node_gbps": 0.1,
             "reduce_scatter_gbps": 0.17, "hbm_gbps": 5.0, "overhead_bytes": GiB, "collective_latency_s": 5e-4}
 """Rates of a CPU host whose ranks are single-threaded processes joined by gloo (``leangrpo-plan --hardware
-cpu`` and the trainer's ``auto`` keys on CPU): a core's fp32 matmul rate, gloo's all-gather / all-reduce and
-(slower) reduce-scatter bandwidths and its per-collective latency, measured on a 2-core virtual machine (loaded:
-they rank layouts, they do not predict seconds)."""
+cpu``, the trainer's ``auto`` keys on CPU and the CPU benchmark's predictions): a core's fp32 matmul rate (60
+GFLOP/s: one thread of the 2-core AMD EPYC benchmark machine on the policies' matmul shapes) of which the policy's
+forwards and backwards reach 0.7 with a rank on each core (a single rank alone runs about 0.9 of it: the
+benchmark's world-size-1 steps take some 15 % less than predicted), gloo's all-gather / all-reduce and (slower)
+reduce-scatter bandwidths and its per-collective latency. (An earlier preset of 25 GFLOP/s at 0.5, measured on a
+loaded machine, predicted the CPU benchmark's steps three times too long.)"""
 
 HARDWARE_KINDS = ("gpu", "cpu")
 """Rate presets: ``gpu`` (the :class:`Hardware` defaults, an A100-class GPU) and ``cpu`` (:data:`CPU_HOST`)."""
