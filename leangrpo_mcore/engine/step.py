@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.config.schema import Config
+from leangrpo_mcore.config.window_rules import is_ratio
 from leangrpo_mcore.diffusion.sampler import (RolloutInputs, RolloutLoop, SDEParams, draw_rollout_inputs,
                                               rollout_together)
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
@@ -268,6 +269,9 @@ class StepPlan:
                         sel.get("window_range", (0, 1)))
         window = self.sde_window
         window.check(self.num_steps, self.ode_solver, self.ode_before_window)
+        if is_ratio(window.ode_steps_after) and self.sigma_spec is None:
+            raise ValueError("sampler.ode_steps_after_window as a ratio re-spaces the schedule after the window: the "
+                             "plan needs the schedule's formula (sigma_spec)")
         bounds = sel.get("window_range", (0, 1))
         if (window.size, window.low, window.high) != (sel.get("window_size", 0), int(bounds[0]), int(bounds[-1])):
             raise ValueError("the plan's window and its selection disagree on the window's size or range")
