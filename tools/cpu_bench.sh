@@ -46,9 +46,14 @@ one sweep_selected_ws1     --config $B/flux_sweep.yaml --steps 3 --warmup 1 \
                            --sweep grpo.timestep_fraction=0.17,0.34,0.5,0.67,0.99
 two sweep_tokens_ws2       --config $B/flux_sweep.yaml --steps 3 --warmup 1 --sweep sampler.height=128,256,512
 two sd3_flowgrpo_ws2       --config $B/sd3_flowgrpo.yaml       --schedules $ALL --steps 3 --warmup 1 --check-parity
+one sd3_flowgrpo_ws1       --config $B/sd3_flowgrpo.yaml       --steps 3 --warmup 1
+# FLUX.1-Kontext editing: the source image's tokens beside the generated ones (the demo dataset, read by DALI)
+if wanted kontext_flowgrpo_ws2 && [ ! -f runs/edit_demo/data/train_metadata.jsonl ]; then
+  python tools/make_edit_demo.py runs/edit_demo > /dev/null
+fi
+two kontext_flowgrpo_ws2   --config $B/flux_kontext.yaml       --schedules $ALL --steps 5 --warmup 1 --check-parity
 # MixGRPO-Flash's sampler (T' = 11 of 25 steps at the window's first position, |S| = 4) and K = 2 updates per rollout
 two flux_mixgrpo_flash_ws2 --config $B/flux_mixgrpo_flash.yaml --schedules $ALL --steps 5 --warmup 1 --check-parity
 two flux_flowgrpo_k2_ws2   --config $B/flux_flowgrpo.yaml      --schedules $ALL --steps 5 --warmup 1 --check-parity \
                            grpo.updates_per_rollout=2 grpo.prompts_per_step=2
-one sd3_flowgrpo_ws1       --config $B/sd3_flowgrpo.yaml       --steps 3 --warmup 1
 echo "done: $OUT"
