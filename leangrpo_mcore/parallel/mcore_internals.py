@@ -222,7 +222,7 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("P2PCommunicator's constructor and transfers", "parallel/stages.py, parallel/pipeline.py", _check_p2p),
     Internal("what the schedules read from a model (_Stage)", "parallel/pipeline.py", _check_model_reads),
     Internal("tensor-parallel parameter attributes", "models/common/tp.py, parallel/fsdp.py, engine/optim.py, "
-             "engine/checkpoint.py", _check_tp_attributes),
+             "engine/checkpoint/", _check_tp_attributes),
     Internal("fused_bias_gelu.bias_gelu_impl and fp8_utils.get_fp8_context",
              "models/backends.py, models/common/fp8.py", _check_fusions),
     Internal("torch: the autograd engine's queue_callback", "parallel/routing.py", _check_queue_callback),
