@@ -23,6 +23,11 @@ PLANNER = f"{PACKAGE}.planner"
 PLANNER_USERS = (f"{PACKAGE}.cli.plan", f"{PACKAGE}.cli.bench", f"{PACKAGE}.bench")
 RUNTIME_ENTRY = f"{PACKAGE}.engine.build"
 RUNTIME_ENTRIES = (RUNTIME_ENTRY, f"{PACKAGE}.engine.throughput")
+ENGINE = f"{PACKAGE}.engine"
+# engine/'s rooms: the step engine sees only itself and the optimizer helpers; checkpointing, run control and the
+# run's outputs see only each other and the process helpers (launch). The run loop (trainer) uses them all.
+STEP_ROOM = (f"{ENGINE}.step", f"{ENGINE}.optim")
+SERVICE_ROOMS = (f"{ENGINE}.checkpoint", f"{ENGINE}.control", f"{ENGINE}.output", f"{ENGINE}.launch")
 
 
 def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
@@ -125,6 +130,27 @@ def test_only_entry_points_import_the_planner():
     # The runtime's one way in is the package entry, not a planner module.
     for entry in RUNTIME_ENTRIES:
         assert users.get(entry, {PLANNER}) == {PLANNER}, users[entry]
+
+
+def _in(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == room or module.startswith(room + ".") for room in rooms)
+
+
+def test_engine_rooms_point_from_the_run_loop():
+    graph = import_graph()
+    # Only the train entry point imports the run loop (the reward bridge, the guards and the error helpers live
+    # in rooms of their own, so the bench and the GPU check need nothing from it).
+    assert {m for m, targets in graph.items() if f"{ENGINE}.trainer" in targets} == {f"{PACKAGE}.cli.train"}
+    wrong = {}
+    for module, targets in graph.items():
+        inner = {t for t in targets if t.startswith(ENGINE + ".")}
+        if _in(module, STEP_ROOM[:1]):
+            wrong[module] = {t for t in inner if not _in(t, STEP_ROOM)}
+        elif _in(module, SERVICE_ROOMS):
+            wrong[module] = {t for t in inner if not _in(t, SERVICE_ROOMS)}
+    wrong = {m: sorted(t) for m, t in wrong.items() if t}
+    assert not wrong, f"engine rooms importing against the direction: {wrong}"
+    assert f"{ENGINE}.checkpoint.save" in graph[f"{ENGINE}.checkpoint"]  # the rooms were found
 
 
 def test_runtime_imports_load_no_planner_module():
