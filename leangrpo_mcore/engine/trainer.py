@@ -99,7 +99,8 @@ class Trainer:
             logger.info("%s", self.precision.legacy_note)
         self.source = build.resolve_model_source(config)  # model.path is read here, once
         self.family, self.hyper, self.lora = self.source.family, self.source.hyper, self.source.lora
-        same_layout = self._check_compatible(self.resume_path) if self.resume_path else True
+        # UserError unless the checkpoint trains the same model; False when it was written at another layout.
+        same_layout = check_compatible(self.resume_path, self._layout_record(), self.log) if self.resume_path else True
         self.data = build.build_data_parts(config, self.family, self.hyper, dist_ctx.device, self.pctx)
         self.parts = build.build_policy_parts(config, self.pctx, self.precision, source=self.source)
         self.bridge = RewardBridge(self.data, config)
@@ -175,13 +176,10 @@ class Trainer:
         # Through JSON, as trainer_state.json stores it (tuples become lists), so that records compare equal.
         return json.loads(json.dumps(record))
 
-    def _check_compatible(self, path: str) -> bool:
-        """UserError unless the checkpoint trains the same model; False when it was written at another layout."""
-        return check_compatible(path, self._layout_record(), self.log)
-
     def _resume(self, path: str, same: bool) -> None:
         p = self.parts
-        data_changed = self._log_changed_settings(path)
+        data_changed = compare_configs(path, self.config, fingerprint=self.prompts_fingerprint, planned=self.planned,
+                                       log=self.log)
         state = checkpoint.load_checkpoint(path, model=p.policy, optimizer=p.optimizer, lr_scheduler=p.lr_scheduler,
                                            ema=p.ema, layout=p.tp_layout, same_layout=same, warn=self.log.warning)
         if data_changed:
@@ -199,12 +197,6 @@ class Trainer:
         """The training prompts' :meth:`~leangrpo_mcore.data.prompts.PromptDataset.fingerprint` (kept in each
         checkpoint, compared on resume)."""
         return self.data.dataset.fingerprint()
-
-    def _log_changed_settings(self, path: str) -> bool:
-        """One log line per changed key, UserError for a refused change (see
-        :func:`~leangrpo_mcore.engine.checkpoint.resume.compare_configs`); whether the prompt data changed."""
-        return compare_configs(path, self.config, fingerprint=self.prompts_fingerprint, planned=self.planned,
-                               log=self.log)
 
     def run(self) -> LoopState:
         """Train until ``train.max_steps`` or a preemption signal (see :meth:`_stop_on_signal`); returns the
@@ -293,7 +285,8 @@ class Trainer:
             self._write_samples(step)
         self._stop_on_io_failure(step, save_due=self._save_due(step))
         self.checkpoints.poll()
-        self._stop_if_diverged(step)
+        check_streak(step, self.state.nonfinite_streak, resumed_step=self.resumed_step,
+                     max_skips=self.config.train.max_nonfinite_skips)
 
     def _after_update(self, step: int, skipped: bool) -> None:
         self.state.step = step
@@ -373,10 +366,6 @@ class Trainer:
                     write_eval_grid(self.run_dir, step, result.samples, self.metrics,
                                     fps=self.config.logging.video_fps)
         self._stop_on_io_failure(step, save_due=False)  # the step's checkpoint was written before the evaluation
-
-    def _stop_if_diverged(self, step: int) -> None:
-        check_streak(step, self.state.nonfinite_streak, resumed_step=self.resumed_step,
-                     max_skips=self.config.train.max_nonfinite_skips)
 
     def _stop_on_io_failure(self, step: int, *, save_due: bool) -> None:
         """Collective: after a failed write on rank 0, stop every rank with its one line, the step's checkpoint

@@ -153,12 +153,22 @@ def test_engine_rooms_point_from_the_run_loop():
     assert f"{ENGINE}.checkpoint.save" in graph[f"{ENGINE}.checkpoint"]  # the rooms were found
 
 
+HEAVY = ("torch._dynamo", "torch._inductor", "wandb")
+"""What importing megatron-core would load, but a run's start-up does not need (``mcore_import.py``)."""
+
+
 def test_runtime_imports_load_no_planner_module():
     runtime = [f"{PACKAGE}.parallel", f"{PACKAGE}.engine.trainer", f"{PACKAGE}.train"]
     code = (f"import importlib, pkgutil, sys, {PACKAGE}.parallel as par\n"
             f"for name in {runtime!r} + [m.name for m in pkgutil.iter_modules(par.__path__, par.__name__ + '.')]:\n"
             "    importlib.import_module(name)\n"
-            f"print(sorted(m for m in sys.modules if m == {PLANNER!r} or m.startswith({PLANNER + '.'!r})))\n")
+            f"print(sorted(m for m in sys.modules if m == {PLANNER!r} or m.startswith({PLANNER + '.'!r})))\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+            "import megatron.core.jit as jit, leangrpo_mcore.mcore_import as lean, wandb\n"
+            "print(jit.jit_fuser is lean.deferred_compile)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", f"the runtime imported planner modules: {out.stdout.strip()}"
+    planner, heavy, deferred = out.stdout.strip().splitlines()
+    assert planner == "[]", f"the runtime imported planner modules: {planner}"
+    # megatron-core came in without torch's compiler and wandb (mcore_import), and wandb still imports after it
+    assert heavy == "[]" and deferred == "True", (heavy, deferred)
