@@ -1,10 +1,10 @@
 """Which checkpoint a run resumes: ``checkpoint.resume`` resolved to a verified checkpoint, interrupted publishes
 put back in place, damaged checkpoints set aside.
 
-Every rank verifies its share of a checkpoint's bytes (:func:`~leangrpo_mcore.engine.checkpoint.manifest.
-verify_on_ranks`); rank 0 alone lists and renames, and every rank gets the same answer (or UserError). Whether the
-checkpoint fits this run is checked here too: the same model (:func:`check_compatible`) and the settings that
-change what a step computes (:func:`compare_configs`).
+Every rank verifies its share of a checkpoint's bytes
+(:func:`~leangrpo_mcore.engine.checkpoint.manifest.verify_on_ranks`); rank 0 alone lists and renames, and every
+rank gets the same answer (or UserError). Whether the checkpoint fits this run is checked here too: the same
+model (:func:`check_compatible`) and the settings that change what a step computes (:func:`compare_configs`).
 """
 
 from __future__ import annotations
