@@ -24,11 +24,13 @@ The modules, by what a reader looks for:
     publish.py      checksumming, the COMPLETE marker and the atomic rename; pruning old checkpoints
     manifest.py     the marker's file list and CRC-32s; verification shared out over the ranks
     load.py         loading at this run's layout: load_checkpoint
-    resume.py       which checkpoint checkpoint.resume names: resolve_resume (verified; damaged ones set aside)
+    resume.py       which checkpoint checkpoint.resume names: resolve_resume (verified; damaged ones set aside),
+                    and whether it fits this run (the same model; the config changes it allows)
     extra_state.py  modules' extra state (Transformer Engine's FP8 metadata) per TP rank
 
 The names below are the package's interface (the trainer, evaluation, tools and tests use them); the modules'
-other names are theirs.
+other names are theirs. The run directory's layout, the ``COMPLETE`` marker's name included, comes from
+:mod:`~leangrpo_mcore.engine.output.run_dir`, which imports nothing of this package.
 """
 
 from leangrpo_mcore.engine.checkpoint.format import STATE_FILE, list_complete, read_state, saved_config
