@@ -33,9 +33,10 @@ def test_deferred_compile_compiles_once_at_the_first_call(monkeypatch):
 
 
 def test_the_import_restores_torch_compile_and_wandb():
+    mcore_import.import_megatron_core()
     import megatron.core.jit as jit
 
-    mcore_import.import_megatron_core()  # megatron-core is imported by now: nothing happens
     assert torch.compile is mcore_import._TORCH_COMPILE
-    assert sys.modules.get(mcore_import.BLOCKED, "absent") is not None
+    assert sys.modules.get(mcore_import.BLOCKED, "absent") is not None  # wandb importable again
+    # the fusions' compiler: deferred, unless this process imported megatron-core before the package did
     assert jit.jit_fuser in (mcore_import.deferred_compile, torch.compile)
