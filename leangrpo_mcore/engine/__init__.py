@@ -3,6 +3,7 @@
     trainer.py        the run loop: build, resume, steps, samples, evaluation, checkpoints, summary
     build.py          the run's parts from the config (auto_layout.py, model_source.py, optim.py beside it)
     reward_bridge.py  the step engine's reward_fn: decode latents, score them, keep sample images
+    references.py     an image-conditioned run's conditioning images, encoded once per prompt group
     step/             the step engine: rollout → reward → advantages → update → sync → clip → optimizer
     checkpoint/       sharded, verified checkpoints: save and publish, load, resume resolution
     control/          run control: the run directory's lock, preemption signals, the step watchdog, I/O

@@ -24,8 +24,9 @@ class RewardBridge:
     """The step engine's ``reward_fn``: decode latents, score them, keep sample images, capture reward errors.
 
     The reward sees the decoded images, or a video policy's videos, of which it scores the frames that
-    ``reward.options.frames`` names (the first by default). A captured sample keeps its image as
-    uint8 and, for a video policy (``sampler.frames > 1``), its whole video as uint8 too.
+    ``reward.options.frames`` names (the first by default), and a reward that declares ``reference_images`` each
+    sample's conditioning image (``data.images``). A captured sample keeps its image as uint8, for a video policy
+    (``sampler.frames > 1``) its whole video as uint8 too, and its conditioning image as uint8.
 
     :meth:`submit` does the same in the background (``reward.async_scoring``): one worker thread decodes the
     batches in submission order and hands each to the reward's ``submit``, so that a remote reward's requests
@@ -52,18 +53,21 @@ class RewardBridge:
         self._executor: Optional[ThreadPoolExecutor] = None
         self.begin_step(False)
 
-    def begin_step(self, capture: bool) -> None:
-        """Reset the per-step state; ``capture`` keeps this step's images for a sample grid."""
+    def begin_step(self, capture: bool, sources: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """Reset the per-step state; ``capture`` keeps this step's images for a sample grid; ``sources`` maps the
+        prompt id of each sample this rank scores to its conditioning image (3, H, W) in [0, 1] (``data.images``)."""
         with self._lock:
             self.error, self.capture = None, capture
             self._error_at: Optional[int] = None
             self._samples: dict[int, list] = {}
             self._calls = 0
+            self._sources = sources
 
     @property
     def samples(self) -> list[tuple]:
-        """(image, prompt, reward, prompt id, video) of this step's captured generations, in call order: the
-        image (H, W, 3) uint8, the video (F, H, W, 3) uint8 or None (image policies)."""
+        """(image, prompt, reward, prompt id, video, source) of this step's captured generations, in call order:
+        the image (H, W, 3) uint8, the video (F, H, W, 3) uint8 or None (image policies), the conditioning image
+        (H, W, 3) uint8 or None."""
         with self._lock:
             return [item for index in sorted(self._samples) for item in self._samples[index]]
 
@@ -82,12 +86,18 @@ class RewardBridge:
         size = {"height": self.height, "width": self.width} if self.family == "flux" else {}
         return self.data.decoder.decode(final_latents, **size)
 
+    def _references(self, ids: list[int]) -> Optional[torch.Tensor]:
+        """(B, 3, H, W) conditioning images of the samples of prompts ``ids``, or None without them."""
+        return None if self._sources is None else torch.stack([self._sources[i] for i in ids])
+
     def _keep(self, index: int, decoded: DecodedImages, prompts: list, rewards: torch.Tensor,
-              prompt_ids: torch.Tensor) -> None:
+              prompt_ids: torch.Tensor, references: Optional[torch.Tensor]) -> None:
         if self.capture:
             videos = ([None] * len(prompts) if not self.keep_video or decoded.video is None
                       else list(video_to_uint8(decoded.video)))
-            items = list(zip(to_uint8(decoded.images), prompts, rewards.tolist(), prompt_ids.tolist(), videos))
+            sources = [None] * len(prompts) if references is None else list(to_uint8(references))
+            items = list(zip(to_uint8(decoded.images), prompts, rewards.tolist(), prompt_ids.tolist(), videos,
+                             sources))
             with self._lock:
                 self._samples[index] = items
 
@@ -95,12 +105,15 @@ class RewardBridge:
         """What a failed batch returns: zeros shaped as its rewards."""
         return torch.zeros(batch, len(self.weighted.weights)) if self.weighted is not None else torch.zeros(batch)
 
-    def _components(self, images: torch.Tensor, prompts: list, metadata: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _components(self, images: torch.Tensor, prompts: list, metadata: list,
+                    references: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The weighted reward's (B, K) components and their weighted sum (B,); videos are scored on the frames that
         ``reward.options.frames`` names, averaged per video, as the reward's own call scores them."""
         flat, flat_prompts, k = flatten_videos(images, prompts, self.data.reward.frames)
+        if references is not None and k > 1:
+            references = references.repeat_interleave(k, dim=0)
         components, total = self.weighted.scored_components(flat, flat_prompts,
-                                                            [row for row in metadata for _ in range(k)])
+                                                            [row for row in metadata for _ in range(k)], references)
         batch = images.shape[0]
         return components.view(batch, k, -1).mean(dim=1), total.view(batch, k).mean(dim=1)
 
@@ -126,14 +139,15 @@ class RewardBridge:
         if self.error is not None:
             return self._zeros(len(prompts))
         decoded = self._decode(final_latents)
-        images = reward_input(decoded)
+        images, references = reward_input(decoded), self._references(ids)
         try:
-            rewards, shown = self._split(self._components(images, prompts, metadata) if self.weighted is not None
-                                         else self.data.reward(images, prompts, metadata))
+            rewards, shown = self._split(self._components(images, prompts, metadata, references)
+                                         if self.weighted is not None
+                                         else self.data.reward(images, prompts, metadata, references))
         except RewardError as err:
             self._failed(index, str(err))
             return self._zeros(len(prompts))
-        self._keep(index, decoded, prompts, shown, prompt_ids)
+        self._keep(index, decoded, prompts, shown, prompt_ids, references)
         return rewards
 
     def submit(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> "Future[torch.Tensor]":
@@ -144,6 +158,7 @@ class RewardBridge:
         """
         ids = [int(i) for i in prompt_ids.tolist()]
         prompts, metadata = self.data.dataset.get(ids), self.data.dataset.metadata(ids)
+        references = self._references(ids)
         index = self._next_call()
         outer: Future = Future()
         if self.error is not None:
@@ -166,7 +181,7 @@ class RewardBridge:
                 outer.set_exception(exc)
                 return
             try:
-                self._keep(index, decoded, prompts, shown, prompt_ids)
+                self._keep(index, decoded, prompts, shown, prompt_ids, references)
             except BaseException as exc:  # noqa: BLE001
                 outer.set_exception(exc)
                 return
@@ -181,13 +196,13 @@ class RewardBridge:
                     images = reward_input(decoded)
                     submit = None if self.weighted is not None else getattr(self.data.reward, "submit", None)
                     if callable(submit):
-                        scoring = submit(images, prompts, metadata)
+                        scoring = submit(images, prompts, metadata, references)
                     elif self.weighted is not None:  # the components, each validated, scored here
                         scoring = Future()
-                        scoring.set_result(self._components(images, prompts, metadata))
+                        scoring.set_result(self._components(images, prompts, metadata, references))
                     else:  # a bare reward callable: score it here, on the decoding thread
                         scoring = Future()
-                        scoring.set_result(self.data.reward(images, prompts, metadata))
+                        scoring.set_result(self.data.reward(images, prompts, metadata, references))
             except RewardError as err:
                 scoring = Future()
                 scoring.set_exception(err)

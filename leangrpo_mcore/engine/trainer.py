@@ -48,9 +48,10 @@ from leangrpo_mcore.engine.launch import (DistContext, first_error, get_logger, 
                                           shutdown, user_errors)
 from leangrpo_mcore.engine.output.metrics import MetricsLogger, ProgressBar, reward_stats
 from leangrpo_mcore.engine.output.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
-from leangrpo_mcore.engine.output.samples import save_grid
+from leangrpo_mcore.engine.output.samples import beside_sources, save_grid
 from leangrpo_mcore.engine.output.video import write_video_grid
 from leangrpo_mcore.engine.output.wandb_log import open_wandb
+from leangrpo_mcore.engine.references import StepReferences
 from leangrpo_mcore.engine.reward_bridge import RewardBridge
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.throughput import step_throughput
@@ -105,6 +106,8 @@ class Trainer:
         self.parts = build.build_policy_parts(config, self.pctx, self.precision, source=self.source)
         self.bridge = RewardBridge(self.data, config)
         self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
+        self.references = None if self.data.images is None else StepReferences(
+            self.data.images, self.data.decoder, self.family.name, [s.prompt_slot for s in self.engine.shares])
         if self.schedule == "reweight":
             plan = self.engine.plan.reweight_plan()
             logger.info("Reweight accumulates %s provisional gradients (in %s)%s%s", plan.accumulate,
@@ -266,7 +269,11 @@ class Trainer:
         prompt_ids = self.data.sampler.next_indices()
         start = time.perf_counter()
         conditioning = self.data.text_encoder.encode(self.data.dataset.get(prompt_ids))
-        self.bridge.begin_step(capture=self._sample_due(step))
+        sources = None
+        if self.references is not None:
+            self._phase("conditioning images", step)
+            conditioning, sources = self.references.attach(conditioning, prompt_ids)
+        self.bridge.begin_step(capture=self._sample_due(step), sources=sources)
         skipped_before = self.guard.skipped
         lr = float(self.parts.optimizer.param_groups[0]["lr"])
         self._phase("rollout and update")
@@ -327,7 +334,8 @@ class Trainer:
         return row
 
     def _write_samples(self, step: int) -> None:
-        """samples/step_<N>.png (first frames) and, for a video policy, samples/step_<N>.mp4 (rank 0)."""
+        """samples/step_<N>.png (first frames) and, for a video policy, samples/step_<N>.mp4 (rank 0); each tile
+        [source | result] in an image-conditioned run."""
         # The grid shows the first SAMPLE_GRID_MAX in this order: no rank needs to send more than that.
         local = sorted(self.bridge.samples, key=_sample_order)[:SAMPLE_GRID_MAX]
         gathered = [local]
@@ -340,13 +348,16 @@ class Trainer:
         if not items:
             return
         prompts, rewards = [it[1] for it in items], [it[2] for it in items]
-        images = torch.stack([torch.from_numpy(it[0]).permute(2, 0, 1) for it in items]).float() / 255.0
+        sources = np.stack([it[5] for it in items]) if all(it[5] is not None for it in items) else None
+        paired = (lambda tiles: tiles) if sources is None else (lambda tiles: beside_sources(tiles, sources))
+        frames = paired(np.stack([it[0] for it in items]))
+        images = torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 255.0
         with self.io.recording():
             grid = save_grid(self.run_dir.sample_path(step), images, prompts, rewards)
             self.metrics.add_image("samples", np.asarray(grid), step)
             if all(it[4] is not None for it in items):
                 path, fps = self.run_dir.video_path(step), self.config.logging.video_fps
-                write_video_grid(path, np.stack([it[4] for it in items]), prompts, rewards, fps=fps)
+                write_video_grid(path, paired(np.stack([it[4] for it in items])), prompts, rewards, fps=fps)
                 self.metrics.add_video("samples_video", path, step, fps)
 
     def _evaluate(self, step: int) -> None:

@@ -163,12 +163,14 @@ def test_runtime_imports_load_no_planner_module():
             f"for name in {runtime!r} + [m.name for m in pkgutil.iter_modules(par.__path__, par.__name__ + '.')]:\n"
             "    importlib.import_module(name)\n"
             f"print(sorted(m for m in sys.modules if m == {PLANNER!r} or m.startswith({PLANNER + '.'!r})))\n"
+            "print(sorted(m for m in sys.modules if m.startswith('nvidia')))\n"
             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
             "import megatron.core.jit as jit, leangrpo_mcore.mcore_import as lean, wandb\n"
             "print(jit.jit_fuser is lean.deferred_compile)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    planner, heavy, deferred = out.stdout.strip().splitlines()
+    planner, dali, heavy, deferred = out.stdout.strip().splitlines()
     assert planner == "[]", f"the runtime imported planner modules: {planner}"
+    assert dali == "[]", f"a run without conditioning images imported DALI: {dali}"  # data/images.py loads it lazily
     # megatron-core came in without torch's compiler and wandb (mcore_import), and wandb still imports after it
     assert heavy == "[]" and deferred == "True", (heavy, deferred)
