@@ -1,6 +1,6 @@
 """The passes a step runs on a rank: policy forwards and backwards per sample, gradient synchronisations (pure Python).
 
-What the step engine does (``engine/step.py``), counted: a rollout runs T' policy forwards per sample (T, or fewer
+What the step engine does (``engine/step/``), counted: a rollout runs T' policy forwards per sample (T, or fewer
 when the steps after a shared SDE window are compressed: :attr:`Workload.rollout_steps`); ``updates_per_rollout = K``
 splits the step's prompt groups into K blocks, the first trained by the configured schedule, the later ones by
 Native after the optimizer steps before them, so each sample is trained once, by its block's schedule.

@@ -192,7 +192,7 @@ class Workload:
     @property
     def first_block(self) -> float:
         """The share of a step's prompt groups the configured schedule trains: the first of ``updates_per_rollout``
-        blocks (the later ones are Native's, ``engine/step.py``)."""
+        blocks (the later ones are Native's, ``engine/step/engine.py``)."""
         return 1.0 / self.updates_per_rollout
 
     @property

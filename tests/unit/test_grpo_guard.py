@@ -174,7 +174,7 @@ def test_both_parts_are_real_terms_of_the_gradient(guarded):
 
 
 def test_per_step_ratio_metrics_pool_the_updates(guarded):
-    from leangrpo_mcore.engine.metrics import per_step_ratios
+    from leangrpo_mcore.engine.output.metrics import per_step_ratios
 
     form, updates, result, _ = guarded
     ratios = [_reference(updates, result, k, form)[2] for k in range(2)]
