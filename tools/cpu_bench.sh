@@ -52,4 +52,8 @@ if wanted kontext_flowgrpo_ws2 && [ ! -f runs/edit_demo/data/train_metadata.json
   python tools/make_edit_demo.py runs/edit_demo > /dev/null
 fi
 two kontext_flowgrpo_ws2   --config $B/flux_kontext.yaml       --schedules $ALL --steps 5 --warmup 1 --check-parity
+# MixGRPO-Flash's sampler (T' = 11 of 25 steps at the window's first position, |S| = 4) and K = 2 updates per rollout
+two flux_mixgrpo_flash_ws2 --config $B/flux_mixgrpo_flash.yaml --schedules $ALL --steps 5 --warmup 1 --check-parity
+two flux_flowgrpo_k2_ws2   --config $B/flux_flowgrpo.yaml      --schedules $ALL --steps 5 --warmup 1 --check-parity \
+                           grpo.updates_per_rollout=2 grpo.prompts_per_step=2
 echo "done: $OUT"

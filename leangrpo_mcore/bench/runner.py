@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.bench.arms import (LAYOUTS, VARIANTS, Arm, build_arm, layout_config, layout_name,
-                                       native_candidates, split_label)
+                                       native_candidates, split_label, variant_config)
+from leangrpo_mcore.bench.prediction import predicted_step
 from leangrpo_mcore.bench.probe import synchronize
 from leangrpo_mcore.bench.report import StepSample, finish_report, split_phases
 from leangrpo_mcore.config import Config
@@ -41,6 +42,7 @@ from leangrpo_mcore.engine.reward_bridge import RewardBridge
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.throughput import step_throughput
 from leangrpo_mcore.planner.flops import step_flops_for_config
+from leangrpo_mcore.planner.workload import Layout
 from leangrpo_mcore.schedules import SCHEDULES
 
 __all__ = ["VARIANTS", "BenchOptions", "bench_document", "parse_schedules", "run_benchmark"]
@@ -210,12 +212,24 @@ class Bench:
         return {label: _compare(grads["native"], grads[label], rewards["native"], rewards[label])
                 for label in grads if label != "native"}
 
+    def timed_rounds(self) -> range:
+        """The training-step numbers of the measured rounds (round r runs step r)."""
+        return range(self.options.warmup, self.options.warmup + self.options.steps)
+
+    def window_starts(self) -> list:
+        """The shared SDE window's start in each measured round (None: no shared window)."""
+        plan = next(iter(self.main.engines.values())).plan
+        return [plan.window_start(step) for step in self.timed_rounds()]
+
     def shape(self) -> dict:
-        """T, |S|, samples per rank, tokens and parameter counts of the benchmarked setup."""
+        """T, T' (the rollout's forwards, fewer when the steps after the SDE window are compressed), |S|, samples
+        per rank, tokens and parameter counts of the benchmarked setup."""
         plan = next(iter(self.main.engines.values())).plan
         policy = self.main.parts.policy
         trainable = sum(p.numel() for p in self.main.params)
+        forwards = [plan.rollout_sigmas(plan.window_start(step)).numel() - 1 for step in self.timed_rounds()]
         return {"family": self.config.model.family, "num_steps": plan.num_steps,
+                "rollout_steps": sum(forwards) / len(forwards), "updates_per_rollout": plan.updates_per_rollout,
                 "steps_per_sample": plan.steps_per_sample, "group_size": plan.group_size,
                 "prompts_per_step": plan.prompts_per_step, "micro_batch": plan.micro_batch,
                 "samples_per_rank": plan.prompts_per_step * plan.group_size // self.main.pctx.dp_size,
@@ -245,10 +259,22 @@ class Bench:
         for label, arm in self.arm_of.items():
             config, schedule = arm.config, arm.engines[label].plan.schedule
             meter = step_throughput(config, schedule, self.dist.world_size, self.dist.device)
-            flops = step_flops_for_config(config, schedule)
+            starts = [start for start in self.window_starts() if start is not None]
+            flops = step_flops_for_config(config, schedule, window_start=starts[0] if starts else None)
             out[label] = {"samples_per_step": meter.samples_per_step, "devices": meter.devices,
                           "flops_per_step": meter.flops_per_step, "peak_tflops": meter.peak_tflops,
                           "passes_per_rank": flops.per_rank_counts(arm.pctx.dp_size)}
+        return out
+
+    def predictions(self) -> dict[str, dict]:
+        """Per label the planner's predicted step time (:func:`~leangrpo_mcore.bench.prediction.predicted_step`)."""
+        out = {}
+        for label, arm in self.arm_of.items():
+            lay = arm.pctx.layout
+            layout = Layout(tp=int(lay.tp), dp_shard=int(lay.dp_shard), dp_replicate=int(lay.dp_replicate),
+                            cp=int(lay.cp), pp=int(lay.pp))
+            out[label] = predicted_step(variant_config(arm.config, label), arm.engines[label].plan.schedule, layout,
+                                        self.dist.world_size, self.dist.device.type, self.window_starts())
         return out
 
     def run(self) -> dict:
@@ -263,9 +289,11 @@ class Bench:
             arm.snapshot.restore()
         meta = {**self.meta(), "load_average": {"start": load_start, "end": load_end}}
         report = finish_report({"meta": meta, "shape": self.shape()}, samples, self.throughput())
+        predictions = self.predictions()
         for label, entry in report["schedules"].items():
             entry["peak_memory_bytes"] = memory[label]
             entry["local_grad_buffers"] = self.grad_buffers[label]
+            entry["predicted"] = predictions[label]
         if parity is not None:
             report["parity"] = parity
         return report

@@ -64,9 +64,16 @@ class SamplerConfig:
     ode_solver: str = option("euler", choices=("euler", "dpmpp_2m"))
     """ODE steps outside the SDE window: euler, or dpmpp_2m (second-order multistep DPM-Solver++ on the data
     prediction x0 = x - sigma*v, MixGRPO-Flash). Needs sde_window_size >= 1 unless euler."""
-    ode_steps_after_window: Optional[int] = option(None, ge=0)
-    """MixGRPO-Flash: ODE steps for the remainder of the schedule after the SDE window, on points of the sigma
-    schedule (fewer forwards per rollout); 0 or null keeps every step. Needs a fixed or progressive window."""
+    ode_solver_before_window: str = option("same", choices=("same", "euler"))
+    """ODE steps before the SDE window: same (sampler.ode_solver, as after it) or euler (MixGRPO-Flash's "post"
+    strategy: Euler before the window, sampler.ode_solver only after it; the solver's history still runs through
+    every step). Needs sde_window_size >= 1 unless same."""
+    ode_steps_after_window: Optional[int | float] = option(None, ge=0)
+    """MixGRPO-Flash: compress the remainder of the schedule after the SDE window into fewer ODE steps (fewer
+    forwards per rollout). A count K: K steps on points of the sigma schedule. A ratio r in (0, 1):
+    MixGRPO-Flash's rule, int(max((T - e + 1) * r, 1)) points from the window's end e to sigma 0 (e.g. 0.4), spaced
+    evenly in the schedule's unshifted time, so the tail shrinks as the window moves (docs/algorithms.md §8).
+    0 or null keeps every step. Needs a fixed or progressive window."""
 
 
 @dataclass
@@ -94,7 +101,21 @@ class GRPOConfig:
     timestep_selection: str = option("flow_grpo", choices=("flow_grpo", "dance_grpo", "sde_window"))
     """Which steps are selected, drawn before rollout: first ones, a random subset per sample, or the SDE window."""
     updates_per_rollout: int = option(1, ge=1)
-    """Optimizer steps per rollout batch; the first is recompute-free, later ones recompute (Native)."""
+    """K, optimizer steps per training step: the step's prompt groups are rolled out once and split into K
+    blocks, one optimizer step each; the first block is recompute-free (Retain, Reweight), later ones recompute
+    (Native) at the then current parameters. train.max_steps, metrics' step and checkpoint/eval intervals count
+    training steps; optim.warmup_steps, the learning-rate schedule and sampler.window_shift_every count the K
+    optimizer steps of each."""
+    ratio_norm: bool = False
+    """GRPO-Guard's RatioNorm: the log-ratio of each trained step, centred by the mean shift its mean's drift
+    causes and scaled by the step's transition std s, s*(log p - log p_old) + mean((mu - mu_old)^2)/(2 s), so
+    that PPO's clip band sits around the ratio's mean again at every denoising step (docs/algorithms.md §9).
+    Not with sampler.sde_kind=flow_grpo_cps (its log-density drops the normalisation)."""
+    grad_reweight: str = option("none", choices=("none", "flow_grpo", "dancegrpo"))
+    """GRPO-Guard's gradient reweighting of each trained step's clipped surrogate (the KL term is not weighted):
+    none; flow_grpo, 1/|dt| (FlowGRPO's sigma form, std_t = a*sqrt(sigma/(1-sigma))); dancegrpo,
+    1/(|dt|*(1 + eta^2*(1-sigma)/(2*sigma))) (DanceGRPO's constant std_t = eta). Each equalises the steps'
+    gradients for its SDE (docs/algorithms.md §9). Not with sampler.sde_kind=flow_grpo_cps."""
 
 
 @dataclass
@@ -272,7 +293,8 @@ class OptimConfig:
     lr_scheduler: str = option("constant", choices=("constant", "linear", "cosine"))
     """Learning-rate decay after warm-up."""
     warmup_steps: int = option(0, ge=0)
-    """Linear warm-up steps."""
+    """Linear warm-up steps, in optimizer steps (grpo.updates_per_rollout per training step); the decay ends at
+    train.max_steps * grpo.updates_per_rollout of them."""
 
 
 @dataclass
@@ -282,7 +304,8 @@ class TrainConfig:
     output_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, tensorboard/."""
     max_steps: int = option(10, ge=0)
-    """Optimizer steps to run."""
+    """Training steps to run: each one rollout of grpo.prompts_per_step groups and grpo.updates_per_rollout
+    optimizer steps (so max_steps * updates_per_rollout optimizer steps in all)."""
     seed: int = option(0, ge=0)
     """Seed of prompts, initial noise, SDE noise and selected steps (independent of rank and layout)."""
     ema_decay: float = option(0.0, ge=0.0, lt=1.0)
@@ -381,7 +404,7 @@ class EvalConfig:
     """Periodic evaluation on fixed held-out prompts with a deterministic sampler (docs/evaluation.md)."""
 
     every: int = option(0, ge=0)
-    """Evaluate every N optimizer steps (0: never during training; leangrpo-eval still works)."""
+    """Evaluate every N training steps (0: never during training; leangrpo-eval still works)."""
     before_train: bool = False
     """Also evaluate before the first step (logged as step 0; not repeated when a run resumes)."""
     prompts: Optional[str] = None

@@ -20,6 +20,7 @@ FLUX policy sees the same number as the diffusers transformer does.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -159,6 +160,71 @@ def get_sigmas(
     shift = _DEFAULT_SHIFT[kind] if shift is None else shift
     builders = {"sd3": sd3_sigmas, "dance": dance_sigmas, "wan": wan_sigmas}
     return builders[kind](num_steps, shift)
+
+
+def schedule_times(kind: str, num_steps: int, *, shift: float | None = None) -> torch.Tensor:
+    """The (num_steps + 1,) times of schedule ``kind`` before its shift, in the dtype its builder shifts them in:
+    ``dance`` linspace(1, 0, T+1) (float32), ``flux`` linspace(1, 1/T, T) and 0 (float32), ``sd3`` / ``wan`` the
+    scheduler's linspace(1, σ_min, T) (which depends on ``shift``) and 0 (float64)."""
+    _check_num_steps(num_steps)
+    if kind not in SIGMA_KINDS:
+        raise ValueError(f"unknown sigma schedule {kind!r}; valid kinds: {', '.join(SIGMA_KINDS)}")
+    if kind == "dance":
+        return torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float32)
+    if kind == "flux":
+        t = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64).to(torch.float32)
+        return torch.cat([t, torch.zeros(1, dtype=torch.float32)])
+    shift = _DEFAULT_SHIFT[kind] if shift is None else shift
+    sigma_min = static_shift(torch.tensor(1.0 / _NUM_TRAIN_TIMESTEPS, dtype=torch.float32), shift).item()
+    t = torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64)
+    return torch.cat([t, torch.zeros(1, dtype=torch.float64)])
+
+
+def shift_times(kind: str, times: torch.Tensor, *, shift: float | None = None,
+                image_seq_len: int | None = None) -> torch.Tensor:
+    """Schedule ``kind``'s time shift applied to ``times`` (from :func:`schedule_times`, or between them), with the
+    builder's operations and precision; float32. ``shift_times(kind, schedule_times(kind, T))`` is the schedule."""
+    if kind == "flux":
+        if image_seq_len is None:
+            raise ValueError("the flux schedule needs image_seq_len (packed latent tokens)")
+        exp_mu = torch.tensor(math.exp(flux_mu(image_seq_len)), dtype=torch.float32)
+        one = torch.ones((), dtype=torch.float32)
+        return exp_mu / (exp_mu + (one / times.to(torch.float32) - one))  # t = 0 gives exp_mu / inf = 0
+    shift = _DEFAULT_SHIFT[kind] if shift is None else shift
+    if kind == "dance":
+        t = times.to(torch.float32)
+        return (shift * t) / (1 + (shift - 1) * t)
+    return static_shift(times.to(torch.float64), shift).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class SigmaSpec:
+    """A schedule by its formula (kind, static shift, FLUX's token count): its sigmas at any number of steps, and
+    its tail re-spaced on its own time grid (MixGRPO-Flash's compression after the SDE window,
+    docs/algorithms.md §8)."""
+
+    kind: str
+    """One of ``SIGMA_KINDS``."""
+    shift: float | None = None
+    """Static shift of sd3 / wan / dance (None: 3.0); unused by flux."""
+    image_seq_len: int | None = None
+    """Packed latent tokens (flux only)."""
+
+    def sigmas(self, num_steps: int) -> torch.Tensor:
+        """The (num_steps + 1,) float32 sigmas (:func:`get_sigmas`)."""
+        if self.kind == "flux":
+            return get_sigmas("flux", num_steps, image_seq_len=self.image_seq_len)
+        return get_sigmas(self.kind, num_steps, shift=self.shift)
+
+    def respaced_tail(self, num_steps: int, start: int, steps: int) -> torch.Tensor:
+        """(steps,) float32 sigmas after σ_start of a T-step schedule that take ``steps`` equal steps of its unshifted
+        time from t_start to 0, the last one 0: the shift of linspace(t_start, 0, steps + 1)[1:]. MixGRPO-Flash
+        re-spaces its schedule after the window this way (its t_start read off the grid as a Python float)."""
+        if not 0 <= start < num_steps or steps < 1:
+            raise ValueError(f"a tail of {steps} steps from step {start} of {num_steps} is empty")
+        times = schedule_times(self.kind, num_steps, shift=self.shift)
+        grid = torch.linspace(times[start].item(), 0.0, steps + 1, dtype=times.dtype)
+        return shift_times(self.kind, grid[1:], shift=self.shift, image_seq_len=self.image_seq_len)
 
 
 def timesteps_from_sigmas(sigmas: torch.Tensor, kind: str) -> torch.Tensor:

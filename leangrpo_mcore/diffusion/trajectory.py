@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Optional
 
 import torch
 
@@ -133,6 +134,10 @@ class Trajectory:
     """The conditioning of the B samples (text, and a conditioning image where the run has one)."""
     final_latents: torch.Tensor
     """(B, *shape) float32: x_T, the decoded result."""
+    means: Optional[torch.Tensor] = None
+    """(B, T, *shape) float32 SDE means μ_old of the rollout's steps (meaningful at a row's SDE steps, the ones an
+    update trains), kept when an update needs them (GRPO-Guard's RatioNorm, docs/algorithms.md §9); None
+    otherwise."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -167,6 +172,8 @@ class Trajectory:
             "generation_ids": (torch.Size((batch,)), torch.long),
             "final_latents": (torch.Size((batch, *self.latent_shape)), torch.float32),
         }
+        if self.means is not None:
+            expected["means"] = (self.latents.shape, torch.float32)
         for name, (shape, dtype) in expected.items():
             value = getattr(self, name)
             if value.shape != shape:
@@ -177,7 +184,7 @@ class Trajectory:
             raise ValueError(f"conditioning has {self.conditioning.num_samples} samples, trajectory has {batch}")
 
     def _tensor_fields(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name != "conditioning"]
+        return [f.name for f in fields(self) if f.name != "conditioning" and getattr(self, f.name) is not None]
 
     def select(self, indices: Indices) -> Trajectory:
         """The trajectories at ``indices`` (in that order), conditioning included."""
@@ -202,6 +209,8 @@ class Trajectory:
         if not trajectories:
             raise ValueError("Trajectory.cat needs at least one trajectory")
         first = trajectories[0]
+        if len({t.means is None for t in trajectories}) > 1:
+            raise ValueError("Trajectory.cat: some trajectories keep their SDE means and some do not")
         for other in trajectories[1:]:
             if other.num_steps != first.num_steps or other.latent_shape != first.latent_shape:
                 raise ValueError(

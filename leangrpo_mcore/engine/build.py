@@ -21,7 +21,7 @@ from leangrpo_mcore.data.images import ConditioningImages, ImageFiles, ImageRead
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
 from leangrpo_mcore.data.reference import check_image_conditioning
 from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
-from leangrpo_mcore.diffusion.sigmas import get_sigmas
+from leangrpo_mcore.diffusion.sigmas import SigmaSpec
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
 from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout
 from leangrpo_mcore.engine.auto_layout import (apply_choice, auto_keys, chosen_words, describe_inputs,
@@ -199,7 +199,8 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
                 fill_values=fill_values)
     params = trainable_parameters(policy)
     optimizer = build_optimizer(params, config.optim)
-    scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps)
+    # the scheduler steps with the optimizer: grpo.updates_per_rollout times per training step
+    scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps * config.grpo.updates_per_rollout)
     ema = None
     if config.train.ema_decay > 0:
         ema = {name: p.detach().clone().float() for name, p in policy.named_parameters() if p.requires_grad}
@@ -332,12 +333,17 @@ def policy_latent_shape(config: Config, policy: torch.nn.Module, family: ModelFa
     return latent_shape(family.name, s.height, s.width, s.frames, channels, spatial_factor=factor)
 
 
-def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The (num_steps + 1,) sigmas of the sampler's schedule (FLUX's shift from the token count of ``shape``)."""
+def sigma_spec(config: Config, shape: tuple[int, ...]) -> SigmaSpec:
+    """The formula of the sampler's schedule (FLUX's shift from the token count of ``shape``)."""
     s = config.sampler
     if s.sigma_schedule == "flux":
-        return get_sigmas("flux", num_steps, image_seq_len=shape[0])
-    return get_sigmas(s.sigma_schedule, num_steps, shift=sampler_shift(config))
+        return SigmaSpec("flux", image_seq_len=shape[0])
+    return SigmaSpec(s.sigma_schedule, shift=sampler_shift(config))
+
+
+def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The (num_steps + 1,) sigmas of the sampler's schedule (FLUX's shift from the token count of ``shape``)."""
+    return sigma_spec(config, shape).sigmas(num_steps)
 
 
 def build_velocity(config: Config, parts: PolicyParts, pctx: ParallelContext, *, cfg_scale: float):
@@ -358,9 +364,10 @@ def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: Parall
     """Sigma schedule, velocity function and the step engine of the configured schedule."""
     s = config.sampler
     shape = policy_latent_shape(config, parts.policy, parts.family)
-    sigmas = sigma_schedule(config, s.num_steps, shape)
+    spec = sigma_spec(config, shape)
     velocity = build_velocity(config, parts, pctx, cfg_scale=s.cfg_scale)
-    plan = StepPlan.from_config(config, latent_shape=shape, sigmas=sigmas, schedule=schedule)
+    plan = StepPlan.from_config(config, latent_shape=shape, sigmas=spec.sigmas(s.num_steps), schedule=schedule,
+                                sigma_spec=spec)
     precision = fp8_precision(parts.policy) if config.model.fp8 else null_precision
     return StepEngine(plan, policy=parts.policy, velocity_fn=velocity, ctx=pctx, optimizer=parts.optimizer,
                       reward_fn=reward_fn, lr_scheduler=parts.lr_scheduler, precision=precision,

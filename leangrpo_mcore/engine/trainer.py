@@ -46,7 +46,7 @@ from leangrpo_mcore.engine.control.watchdog import StepWatchdog
 from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, write_eval_grid
 from leangrpo_mcore.engine.launch import (DistContext, first_error, get_logger, init_distributed, raise_if_any,
                                           shutdown, user_errors)
-from leangrpo_mcore.engine.output.metrics import MetricsLogger, ProgressBar, reward_stats
+from leangrpo_mcore.engine.output.metrics import MetricsLogger, ProgressBar, per_step_ratios, reward_stats
 from leangrpo_mcore.engine.output.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
 from leangrpo_mcore.engine.output.samples import beside_sources, save_grid
 from leangrpo_mcore.engine.output.video import write_video_grid
@@ -325,6 +325,7 @@ class Trainer:
                "nonfinite_streak": self.state.nonfinite_streak, "time_step_s": elapsed}
         row.update(self.throughput.scalars(elapsed))
         row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
+        row.update(per_step_ratios(updates))
         if result.window_start is not None:
             row["sde_window_start"] = result.window_start
         if result.peak_memory_bytes is not None:

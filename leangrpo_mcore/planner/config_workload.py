@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from leangrpo_mcore.config.window_rules import rollout_steps
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.planner.arch_specs import (DEFAULT_LORA_TARGETS, ArchSpec, arch_from_config, load_arch,
                                                 preset_config)
@@ -44,6 +45,22 @@ def selected_steps_of(config: Any) -> int:
     if count < 1:
         raise UserError(f"grpo.timestep_selection={grpo.timestep_selection} selects no step of {steps}")
     return count
+
+
+def rollout_steps_of(config: Any, window_start: Optional[int] = None) -> float:
+    """The policy forwards of one rollout (T', ``config.window_rules.rollout_steps``): T unless the steps after a shared
+    SDE window are compressed; then at ``window_start``, or (None) the mean over the starts the window takes, each
+    for as many optimizer steps (a fixed window's one start, a progressive window's sweep)."""
+    s = config.sampler
+    if not s.sde_window_size or not s.ode_steps_after_window or s.sde_window_schedule == "random":
+        return float(s.num_steps)
+    low, high = int(s.sde_window_range[0]), int(s.sde_window_range[-1])
+    if window_start is not None:
+        starts = [window_start]
+    else:
+        starts = [low] if s.sde_window_schedule == "fixed" else list(range(low, high, s.window_stride))
+    counts = [rollout_steps(s.num_steps, k + s.sde_window_size, s.ode_steps_after_window) for k in starts]
+    return sum(counts) / len(counts)
 
 
 def reweight_plan_of(config: Any):
@@ -97,6 +114,7 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
     scorer = reward_memory(config.reward)
     return Workload(
         arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=selected_steps_of(config),
+        rollout_steps=rollout_steps_of(config), keep_means=config.grpo.ratio_norm,
         group_size=config.grpo.group_size, prompts_per_step=config.grpo.prompts_per_step,
         micro_batch=config.schedule.micro_batch, lora_rank=m.lora.rank, lora_targets=targets,
         precision=precision_from_config(config),

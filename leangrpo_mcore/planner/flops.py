@@ -28,7 +28,7 @@ from typing import Any
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.planner.arch_specs import (_OUTPUT_LAYERS, DEFAULT_LORA_TARGETS, ArchSpec, LinearSpec,
                                                 _target_matches)
-from leangrpo_mcore.planner.config_workload import arch_of, selected_steps_of, tokens_of
+from leangrpo_mcore.planner.config_workload import arch_of, rollout_steps_of, selected_steps_of, tokens_of
 
 FORWARD_KINDS = ("nograd", "rollout_grad", "recompute", "reference")
 """Sample-forwards by kind, as the benchmark's forward probe sorts them: rollout forwards without gradients,
@@ -139,6 +139,7 @@ def step_passes(schedule: str, *, num_steps: int, selected_steps: int, kl: bool,
     """Sample-passes of one sample trained by ``schedule`` in one step: forwards by :data:`FORWARD_KINDS` and
     ``backward``.
 
+    ``num_steps`` is the rollout's forwards (T, or T' when the steps after the SDE window are compressed).
     Native rolls out all T steps without gradients and recomputes each of the |S| trained ones; Retain and
     Reweight run the trained steps' rollout forwards with gradients. The KL term adds a reference forward per
     trained step; under Reweight it is backpropagated apart from the policy-gradient part (a second backward of
@@ -175,7 +176,7 @@ class StepFlops:
 
     def per_rank_counts(self, dp_size: int) -> dict[str, int]:
         """Sample-passes one data-parallel rank runs (every rank of a sample's TP/CP/PP group runs them all)."""
-        return {k: v // dp_size for k, v in self.counts.items()}
+        return {k: v // dp_size if isinstance(v, int) else v / dp_size for k, v in self.counts.items()}
 
 
 def step_flops(arch: ArchSpec, tokens: dict[str, int], *, schedule: str, num_steps: int, selected_steps: int,
@@ -197,8 +198,10 @@ def step_flops(arch: ArchSpec, tokens: dict[str, int], *, schedule: str, num_ste
     return StepFlops(samples=samples, passes=passes, counts=counts)
 
 
-def step_flops_for_config(config: Any, schedule: str | None = None) -> StepFlops:
-    """The FLOPs of one step of an experiment config under ``schedule`` (default ``config.schedule.name``)."""
+def step_flops_for_config(config: Any, schedule: str | None = None, window_start: int | None = None) -> StepFlops:
+    """The FLOPs of one step of an experiment config under ``schedule`` (default ``config.schedule.name``), with the
+    rollout's T' forwards when the steps after a shared SDE window are compressed: at ``window_start``, or the mean
+    over the window's starts (:func:`~leangrpo_mcore.planner.config_workload.rollout_steps_of`)."""
     name = schedule or config.schedule.name
     if name == "auto":
         raise UserError("schedule 'auto' must be resolved before counting a step's FLOPs")
@@ -206,7 +209,9 @@ def step_flops_for_config(config: Any, schedule: str | None = None) -> StepFlops
     lora = config.model.lora
     targets = DEFAULT_LORA_TARGETS[arch.family] if lora.targets is None else tuple(lora.targets)
     g = config.grpo
-    return step_flops(arch, tokens_of(config, arch), schedule=name, num_steps=config.sampler.num_steps,
+    rollout = rollout_steps_of(config, window_start)
+    return step_flops(arch, tokens_of(config, arch), schedule=name,
+                      num_steps=int(rollout) if rollout.is_integer() else rollout,
                       selected_steps=selected_steps_of(config), group_size=g.group_size,
                       prompts_per_step=g.prompts_per_step, updates_per_rollout=g.updates_per_rollout,
                       kl=g.kl_beta > 0, lora_rank=lora.rank, lora_targets=targets,

@@ -81,6 +81,10 @@ class Case:
     """sampler.ode_steps_after_window (0: no compression)."""
     step: int = 5
     """The training step number (seeds; a progressive window's position)."""
+    ratio_norm: bool = False
+    """grpo.ratio_norm (GRPO-Guard's RatioNorm)."""
+    grad_reweight: str = "none"
+    """grpo.grad_reweight (GRPO-Guard's per-step weight: none, flow_grpo, dancegrpo)."""
     reference: bool = False
     """A conditioning image per prompt (FLUX.1-Kontext: its tokens beside the generated ones in every forward)."""
 
@@ -221,7 +225,8 @@ def run_case(case: Case, reward_fn=None) -> Outcome:
     plan = StepPlan(
         schedule=case.schedule, group_size=case.group_size, prompts_per_step=case.prompts, latent_shape=shape,
         sigmas=sigmas, sde=SDEParams.from_sigmas(kind, noise, sigmas),
-        objective=Objective(clip_range=1e-4, kl_beta=case.kl_beta, kl_form=case.kl_form),
+        objective=Objective(clip_range=1e-4, kl_beta=case.kl_beta, kl_form=case.kl_form, ratio_norm=case.ratio_norm,
+                            grad_reweight=case.grad_reweight),
         selection={"method": case.selection, "fraction": case.fraction, "window_size": case.window,
                    "window_range": case.window_range},
         advantage=case.advantage, adv_clip_max=case.adv_clip_max, global_std=case.global_std, layout=case.layout,
@@ -359,6 +364,22 @@ def test_progressive_window_dpmpp_2m_compressed(family, extra):
     euler = run_case(case.but(schedule="native", ode_solver="euler"))
     assert native.trajectory.shape == euler.trajectory.shape  # 5 steps each: 1 + 2 window + 2 compressed
     assert float(np.abs(native.trajectory - euler.trajectory).max()) > 1e-4  # the second-order steps ran
+
+
+# GRPO-Guard: RatioNorm and the step weights folded into the recompute-free losses (exact on the first update), and a
+# second update (Native after the first optimizer step) where the ratio moves and the drift term acts
+GUARD = Case(ratio_norm=True, grad_reweight="flow_grpo", updates=2)
+
+
+@pytest.mark.parametrize("case", [GUARD, GUARD.but(family="wan", lora=True, kl_beta=20.0, sde_kind="dance_grpo",
+                                                   grad_reweight="dancegrpo", micro_batch=2, group_size=4)],
+                         ids=["flux_flow_grpo", "wan_dancegrpo_lora_kl_mb2"])
+def test_grpo_guard(case):
+    native, retain, reweight = run_three(case)
+    check_parity(native, retain, reweight, per_sample=case.micro_batch > 1, tol=2e-6)  # measured 2.0e-7, 3.1e-7
+    plain = run_case(case.but(schedule="native", ratio_norm=False, grad_reweight="none"))
+    assert rel_l2(native.grads[0], plain.grads[0]) > 1e-3  # the guard changes the gradient (measured 4.8e-3 with KL)
+    assert native.ratio[1] != (1.0, 1.0)  # the second update is off-policy
 
 
 def test_wan_global_std_with_clamping():

@@ -46,6 +46,23 @@ def reward_stats(rewards: torch.Tensor, components: Optional[Mapping[str, torch.
     return stats
 
 
+def per_step_ratios(updates: Any) -> dict[str, float]:
+    """``ratio_mean.step_<t>`` and ``clip_fraction.step_<t>`` of every denoising step t trained in a step's updates,
+    pooled over them (each update's ``per_step``: t → (Σρ, clipped ratios, ratios) over the ranks)."""
+    pooled: dict[int, list[float]] = {}
+    for update in updates:
+        for t, values in update.per_step.items():
+            acc = pooled.setdefault(t, [0.0, 0.0, 0.0])
+            for k, value in enumerate(values):
+                acc[k] += value
+    out = {}
+    for t in sorted(pooled):
+        ratio_sum, clipped, count = pooled[t]
+        out[f"ratio_mean.step_{t}"] = ratio_sum / count
+        out[f"clip_fraction.step_{t}"] = clipped / count
+    return out
+
+
 def _json_number(value: Scalar) -> Any:
     # JSON has no NaN/inf: write them as strings so that every row stays valid JSON.
     if isinstance(value, float) and not math.isfinite(value):

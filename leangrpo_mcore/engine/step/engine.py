@@ -196,7 +196,7 @@ class StepEngine(GroupRollout, RewardJoin):
             norm, clipped = clip_grad_norm_(self.params, self.plan.max_grad_norm, self.ctx)
         with timer.phase("optimizer"):
             optimizer_step(self.optimizer, self.params, self.lr_scheduler)
-        totals = stats.reduced(self.ctx.dp_group, self.ctx.device)
+        totals = stats.reduced(self.ctx.dp_group, self.ctx.device, self.plan.num_steps)
         if self.ctx.pp_group is not None:  # the losses and ratios are the last stage's (megatron's 1F1B)
             shared = [totals]
             dist.broadcast_object_list(shared, src=dist.get_global_rank(self.ctx.pp_group, self.ctx.layout.pp - 1),
@@ -205,4 +205,4 @@ class StepEngine(GroupRollout, RewardJoin):
         return UpdateResult(schedule=schedule.name, loss=totals["loss"], grad_norm=norm, clipped=clipped,
                             ratio_min=totals["ratio_min"], ratio_max=totals["ratio_max"],
                             ratio_mean=totals["ratio_mean"], clip_fraction=totals["clip_fraction"],
-                            max_local_grad_buffers=stats.max_local_grad_buffers)
+                            max_local_grad_buffers=stats.max_local_grad_buffers, per_step=totals["per_step"])

@@ -10,9 +10,11 @@ from typing import Optional
 import torch
 
 from leangrpo_mcore.config.schema import Config
+from leangrpo_mcore.config.window_rules import is_ratio
 from leangrpo_mcore.diffusion.sampler import SDEParams
 from leangrpo_mcore.diffusion.selection import check_selection, num_selected
-from leangrpo_mcore.diffusion.window import SDEWindow, compress_after_window, optimizer_steps_before
+from leangrpo_mcore.diffusion.sigmas import SigmaSpec
+from leangrpo_mcore.diffusion.window import SDEWindow, optimizer_steps_before, rollout_schedule
 from leangrpo_mcore.parallel.gathering import ReshardValue, gather_mode, selection_varies_across_ranks
 from leangrpo_mcore.parallel.groups import check_layout, check_updates
 from leangrpo_mcore.parallel.mesh import ParallelContext
@@ -77,18 +79,24 @@ class StepPlan:
     FlowGRPO-Fast's random window per prompt group)."""
     ode_solver: str = "euler"
     """Solver of the ODE steps outside the SDE window: euler or dpmpp_2m."""
+    ode_before_window: str = "same"
+    """sampler.ode_solver_before_window: same (``ode_solver``) or euler before a row's SDE window."""
+    sigma_spec: Optional[SigmaSpec] = None
+    """The formula of ``sigmas`` (re-spaces the tail after the window for a ratio of steps; None: no ratio)."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, latent_shape: tuple[int, ...], sigmas: torch.Tensor,
-                    schedule: Optional[str] = None) -> "StepPlan":
-        """From a :class:`Config` (``schedule`` overrides ``cfg.schedule.name``, e.g. after the planner)."""
+                    schedule: Optional[str] = None, sigma_spec: Optional[SigmaSpec] = None) -> "StepPlan":
+        """From a :class:`Config` (``schedule`` overrides ``cfg.schedule.name``, e.g. after the planner;
+        ``sigma_spec`` the formula of ``sigmas``)."""
         s, g = cfg.sampler, cfg.grpo
         window = s.sde_window_size
         return cls(
             schedule=schedule or cfg.schedule.name, group_size=g.group_size, prompts_per_step=g.prompts_per_step,
             latent_shape=tuple(latent_shape), sigmas=sigmas.to(torch.float32),
             sde=SDEParams.from_sigmas(s.sde_kind, s.noise_level, sigmas),
-            objective=Objective(clip_range=g.clip_range, kl_beta=g.kl_beta, kl_form=g.kl_form),
+            objective=Objective(clip_range=g.clip_range, kl_beta=g.kl_beta, kl_form=g.kl_form,
+                                ratio_norm=g.ratio_norm, grad_reweight=g.grad_reweight),
             selection={"method": g.timestep_selection, "fraction": g.timestep_fraction, "window_size": window,
                        "window_range": tuple(s.sde_window_range)},
             advantage=g.advantage, adv_clip_max=g.adv_clip_max, global_std=g.global_std,
@@ -103,7 +111,7 @@ class StepPlan:
             window=SDEWindow(size=window, low=int(s.sde_window_range[0]), high=int(s.sde_window_range[-1]),
                              schedule=s.sde_window_schedule, stride=s.window_stride,
                              shift_every=s.window_shift_every, ode_steps_after=s.ode_steps_after_window or 0),
-            ode_solver=s.ode_solver,
+            ode_solver=s.ode_solver, ode_before_window=s.ode_solver_before_window, sigma_spec=sigma_spec,
         )
 
     @property
@@ -125,7 +133,7 @@ class StepPlan:
         w = self.sde_window
         if window_start is None or not w.ode_steps_after:
             return self.sigmas
-        return compress_after_window(self.sigmas, window_start + w.size, w.ode_steps_after)
+        return rollout_schedule(self.sigmas, window_start + w.size, w.ode_steps_after, self.sigma_spec)
 
     @property
     def components(self) -> int:
@@ -201,7 +209,10 @@ class StepPlan:
         check_selection(sel["method"], self.num_steps, sel["fraction"], sel.get("window_size", 0),
                         sel.get("window_range", (0, 1)))
         window = self.sde_window
-        window.check(self.num_steps, self.ode_solver)
+        window.check(self.num_steps, self.ode_solver, self.ode_before_window)
+        if is_ratio(window.ode_steps_after) and self.sigma_spec is None:
+            raise ValueError("sampler.ode_steps_after_window as a ratio re-spaces the schedule after the window: the "
+                             "plan needs the schedule's formula (sigma_spec)")
         bounds = sel.get("window_range", (0, 1))
         if (window.size, window.low, window.high) != (sel.get("window_size", 0), int(bounds[0]), int(bounds[-1])):
             raise ValueError("the plan's window and its selection disagree on the window's size or range")

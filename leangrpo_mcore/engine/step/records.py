@@ -52,6 +52,8 @@ class UpdateResult:
     clip_fraction: float
     max_local_grad_buffers: int = 0
     """Most provisional gradients held at once on this rank (Reweight)."""
+    per_step: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    """Per trained denoising step t: (Σρ, clipped ratios, ratios) over the data-parallel ranks."""
 
 
 @dataclass

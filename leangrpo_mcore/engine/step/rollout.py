@@ -73,7 +73,8 @@ class GroupRollout:
                                                        else schedule.on_step((share.prompt_slot, mb), cond),
                                                        sigmas.numel() - 1),
                            forward_context=self.precision, split=self.split,
-                           per_sample_grad=schedule is not None and schedule.per_sample_grad, ode_solver=plan.ode_solver)
+                           per_sample_grad=schedule is not None and schedule.per_sample_grad, ode_solver=plan.ode_solver,
+                           ode_before_window=plan.ode_before_window, keep_means=plan.objective.ratio_norm)
         return loop, prompt_ids
 
     def _draw(self, step: int, slots: list[int], ids: list[int]) -> tuple[torch.Tensor, RolloutInputs]:
