@@ -52,8 +52,18 @@ def test_reward_summary_is_the_formula():
     assert stats["std"] == pytest.approx(((4 + 0 + 1 + 9) / 4) ** 0.5)
 
 
+def _flow_grpo_step(x, v, sigma, sigma_next, sigma_1, noise_level, noise):
+    """FlowGRPO's SDE step, written out in float32: std_t = a sqrt(s / (1 - s~)) (s~ = the schedule's sigma_1 where
+    s = 1), mean x (1 + std_t^2 dt / 2s) + v dt (1 + std_t^2 (1 - s) / 2s), plus std_t sqrt(-dt) noise."""
+    dt = sigma_next - sigma
+    std_t = noise_level * torch.sqrt(sigma / (1 - (sigma_1 if float(sigma) == 1.0 else sigma)))
+    mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean + std_t * torch.sqrt(-dt) * noise
+
+
 def _reference_rewards(config) -> list[list[float]]:
-    """The eval rewards computed here: the tiny policy's velocity stepped by x + v (s' - s), written out."""
+    """The eval rewards computed here: the tiny policy's velocity stepped by x + v (s' - s), written out (with
+    ``eval.noise_level`` > 0 FlowGRPO's SDE step with the noise of step t drawn from (eval.seed, i, j, t))."""
     dist_ctx = init_distributed()
     try:
         pctx = build.build_context(config, dist_ctx)
@@ -74,7 +84,13 @@ def _reference_rewards(config) -> list[list[float]]:
                 with torch.no_grad():
                     for t in range(sigmas.numel() - 1):
                         v = velocity(x, sigmas[t].expand(1), cond)
-                        x = x + v * (sigmas[t + 1] - sigmas[t])
+                        if config.eval.noise_level == 0:
+                            x = x + v * (sigmas[t + 1] - sigmas[t])
+                            continue
+                        seed = derive_seed(7, "eval_noise", 1, i, j, t)
+                        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).unsqueeze(0)
+                        x = _flow_grpo_step(x, v.float(), sigmas[t], sigmas[t + 1], sigmas[1],
+                                            config.eval.noise_level, noise)
                     images = decoder.decode(x, height=config.sampler.height, width=config.sampler.width).images
                 row.append(float(images.mean()))
             out.append(row)
@@ -96,6 +112,35 @@ def test_eval_rollout_is_the_euler_ode_of_the_policy():
     # more steps is a different rollout: the step count reaches the sampler
     more = evaluate_model(load_config(TINY_FLUX, [*EVAL, "eval.num_steps=5"]))
     assert more.rewards["mean_intensity_for_eval_tests"]["mean"] != pytest.approx(stats["mean"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_sde_evaluation_draws_every_step_from_its_own_seed_as_the_rollout_written_here(monkeypatch):
+    """eval.noise_level > 0: the SDE noise of step t of eval sample (i, j) is drawn from (eval.seed, i, j, t), for
+    every prompt, sample and step, no seed twice; and the evaluation equals FlowGRPO's SDE rollout written here."""
+    from leangrpo_mcore.diffusion import sampler
+
+    config = load_config(TINY_FLUX, [*EVAL, "eval.noise_level=0.7"])
+    drawn: dict[int, list[int]] = {}
+    real_step_noise = sampler.step_noise
+
+    def recording(noise_seeds, t, rows, shape):
+        drawn.setdefault(t, []).extend(noise_seeds[list(rows), t].tolist())
+        return real_step_noise(noise_seeds, t, rows, shape)
+
+    monkeypatch.setattr(sampler, "step_noise", recording)
+    result = evaluate_model(config)
+    steps = config.eval.num_steps or config.sampler.num_steps
+    assert sorted(drawn) == list(range(steps))
+    for t in range(steps):
+        expected = [derive_seed(7, "eval_noise", 1, i, j, t) for i in range(3) for j in range(2)]
+        assert sorted(drawn[t]) == sorted(expected), t
+    every = [seed for t in range(steps) for seed in drawn[t]]
+    assert len(set(every)) == len(every) == 3 * 2 * steps
+    reference = np.array(_reference_rewards(config))
+    stats = result.rewards["mean_intensity_for_eval_tests"]
+    np.testing.assert_allclose(stats["per_prompt"], reference.mean(axis=1), rtol=1e-5)
+    assert (stats["min"], stats["max"]) == pytest.approx((reference.min(), reference.max()), rel=1e-5)
 
 
 @pytest.fixture(scope="module")
