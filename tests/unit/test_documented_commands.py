@@ -112,11 +112,7 @@ NOT_RUN = {
 }
 CATEGORIES = (GPU, WEIGHTS, CLUSTER, TOO_LONG, SETUP)
 
-KNOWN_FAILING = {
-    "leangrpo-plan --config yaml_configs/flux_dev/flowgrpo_lora.yaml --gpus-per-node 8 --gpu-mem-gb 48 --simulate": (
-        "exits 2 with 'model.path is not set': the simulator refuses a full-size preset without weights, which "
-        "a simulation never reads"),
-}
+KNOWN_FAILING: dict[str, str] = {}
 """Commands that run here but fail today, each with the behaviour that fails; strict, so a fix shows."""
 EXPECTED_EXIT = {
     "leangrpo-torchrun --standalone --nproc-per-node 2 -m leangrpo_mcore.train --config "
