@@ -165,11 +165,10 @@ def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite
     ``verify``), then read one tensor at a time from its sharded files, without its optimizer state and without a
     launch."""
     from leangrpo_mcore.engine.checkpoint_verify import verify_before_reading
-    from leangrpo_mcore.engine.launch import get_logger
     from leangrpo_mcore.models.common import checkpoint as ckpt
     from leangrpo_mcore.models.registry import get_family
 
-    verify_before_reading(src, "--src", enabled=verify, log=get_logger(), switch="--no-verify")
+    verify_before_reading(src, "--src", enabled=verify, switch="--no-verify")
     meta, source = ckpt.read_policy_checkpoint(src)
     family = get_family(meta["family"])
     config = family.config_cls.from_diffusers_config(meta["config"])

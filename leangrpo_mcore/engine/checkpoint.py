@@ -44,21 +44,25 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from leangrpo_mcore.engine import ckpt_manifest as manifest
+from leangrpo_mcore.engine.checkpoint_verify import verify_before_reading
 from leangrpo_mcore.engine import extra_state
 from leangrpo_mcore.engine.launch import broadcast_object, collective_device, first_error, get_logger
 from leangrpo_mcore.engine.run_dir import STEP_ANY, STEP_DIR, RunDir, is_complete
-from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.errors import UserError, exception_line
 from leangrpo_mcore.models.common.checkpoint import DCP_DIR, CheckpointError, write_policy_checkpoint
 from leangrpo_mcore.models.common.dcp_blocks import (Block, BlockLoadPlanner, BlockSavePlanner, BlockTensor,
                                                      block_tensor, quiet_dcp)
-from leangrpo_mcore.models.common.dcp_source import read_dcp_metadata
+from leangrpo_mcore.models.common.dcp_source import data_files, dcp_failure, read_dcp_metadata
 from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout, tp_rank, tp_world_size  # noqa: F401
 from leangrpo_mcore.models.registry import family_for_config
 from leangrpo_mcore.parallel.mesh import default_group_timeout
 
 MARKER = manifest.MARKER
+FRESH_IF_DAMAGED = "fresh_if_damaged"
+"""``checkpoint.resume``: as ``auto``, but a run directory whose every checkpoint is damaged starts afresh."""
 STATE_FILE = "trainer_state.json"
 OPTIM_FILE = "optimizer.json"
 FORMAT = "leangrpo_mcore.train_checkpoint"
@@ -472,49 +476,104 @@ def restore_interrupted(run_dir: RunDir, warn: Any = None) -> list[str]:
     return restored
 
 
+AUTO = ("auto", FRESH_IF_DAMAGED)
+"""The ``checkpoint.resume`` values that pick the newest checkpoint of the run directory."""
+
+
 def _newest_first(run_dir: RunDir) -> list[str]:
     return [path for _, path in reversed(list_complete(run_dir))]
 
 
-def _set_aside_damaged(path: str, problem: str, warn: Any) -> None:
-    try:
-        moved = set_aside(path)
-    except OSError as err:
-        raise UserError(f"checkpoint {path} is damaged ({problem}) and cannot be set aside: {err.strerror}") from None
-    if warn is not None:
-        warn(f"checkpoint {path} is damaged ({problem}); set aside as {moved}, trying the previous one")
+def _incomplete(run_dir: RunDir, warn: Any) -> list[str]:
+    """Rank 0: the ``step_<N>`` directories without a ``COMPLETE`` marker, oldest first, each named in a warning
+    (a save never renames one into place unfinished: a copy or a removal by hand that stopped halfway)."""
+    found = []
+    for name in run_dir.existing_checkpoints():
+        match = STEP_DIR.match(name)
+        if match and not is_complete(os.path.join(run_dir.checkpoints_dir, name)):
+            found.append((int(match.group(1)), os.path.join(run_dir.checkpoints_dir, name)))
+    for _, path in sorted(found):
+        if warn is not None:
+            warn(f"checkpoint {path} has no {MARKER} marker (a copy or a removal that stopped halfway); it is not "
+                 f"resumed")
+    return [path for _, path in sorted(found)]
+
+
+def _newest_unverified(run_dir: RunDir, warn: Any) -> Optional[str]:
+    """Rank 0: the newest checkpoint with a marker, resumed unverified (``checkpoint.verify: false``), warned."""
+    candidates = _newest_first(run_dir)
+    if candidates and warn is not None:
+        warn(f"checkpoint.resume: {candidates[0]} is resumed without checking it against its {MARKER} marker "
+             f"(checkpoint.verify=false)")
+    return candidates[0] if candidates else None
+
+
+def _set_aside_all(damaged: list[tuple[str, str]], warn: Any, then: str) -> None:
+    """Rank 0: set each damaged (path, problem) aside, one warning line each ending with ``then``."""
+    for path, problem in damaged:
+        try:
+            moved = set_aside(path)
+        except OSError as err:
+            raise UserError(f"checkpoint {path} is damaged ({problem}) and cannot be set aside: "
+                            f"{err.strerror}") from None
+        if warn is not None:
+            warn(f"checkpoint {path} is damaged ({problem}); set aside as {moved}, {then}")
+
+
+def _nothing_verifies(run_dir: RunDir, damaged: list[tuple[str, str]], incomplete: list[str]) -> UserError:
+    found = [f"{os.path.basename(path)}: {problem}" for path, problem in damaged]
+    found += [f"{os.path.basename(path)}: no {MARKER} marker" for path in incomplete]
+    return UserError(f"checkpoint.resume=auto: no checkpoint in {run_dir.checkpoints_dir} verifies ("
+                     f"{'; '.join(found)}); nothing was trained. Copy intact checkpoints back, or start afresh on "
+                     f"purpose with checkpoint.resume={FRESH_IF_DAMAGED} (the damaged ones are set aside)")
+
+
+def _resolve_auto(spec: str, run_dir: RunDir, warn: Any, verify: bool) -> Optional[str]:
+    """Collective: :func:`resolve_resume` for ``auto`` and ``fresh_if_damaged``."""
+    restore_interrupted(run_dir, warn)
+    incomplete = first_error(_incomplete, run_dir, warn)
+    if not verify:
+        return first_error(_newest_unverified, run_dir, warn)
+    damaged: list[tuple[str, str]] = []
+    for path in first_error(_newest_first, run_dir):
+        problem = manifest.verify_on_ranks(path)
+        if problem is None:
+            first_error(_set_aside_all, damaged, warn, f"resuming from {os.path.basename(path)}")
+            return path
+        damaged.append((path, problem))
+    if not damaged and not incomplete:
+        return None
+    if spec == "auto":
+        raise _nothing_verifies(run_dir, damaged, incomplete)  # every rank has the same lists
+    damaged += [(path, f"no {MARKER} marker") for path in incomplete]
+    first_error(_set_aside_all, damaged, warn, f"starting afresh (checkpoint.resume={FRESH_IF_DAMAGED})")
+    return None
 
 
 def _check_resume_path(spec: str) -> None:
     if not os.path.isdir(spec):
         raise UserError(f"checkpoint.resume: no such checkpoint directory: {spec}")
-    if not os.path.isfile(os.path.join(spec, MARKER)):
-        raise UserError(f"checkpoint.resume: {spec} is not a complete checkpoint (no {MARKER} marker)")
 
 
-def resolve_resume(spec: Optional[str], run_dir: RunDir, warn: Any = None) -> Optional[str]:
+def resolve_resume(spec: Optional[str], run_dir: RunDir, warn: Any = None, *, verify: bool = True) -> Optional[str]:
     """Collective: the checkpoint to resume from: None (fresh), ``auto`` (the newest one that verifies, or None),
-    or a path; the same answer (or UserError) on every rank.
+    ``fresh_if_damaged`` or a path; the same answer (or UserError) on every rank.
 
     Under ``auto`` complete checkpoints that a crash left under a ``.tmp-`` name are restored first
-    (:func:`restore_interrupted`); a newest checkpoint that fails verification is set aside with a one-line
-    ``warn`` (rank 0) and the previous one is tried; an explicit path that fails verification is a UserError
-    naming the damaged file. Each rank verifies its share of the bytes; rank 0 alone lists and renames.
+    (:func:`restore_interrupted`) and ``step_<N>`` directories without a marker are named in a warning; newer
+    checkpoints that fail verification are set aside with a one-line ``warn`` (rank 0) each once an older one
+    verifies. When none verifies (every checkpoint damaged or incomplete) ``auto`` stops with one line instead of
+    starting afresh, and ``fresh_if_damaged`` sets the damaged and incomplete ones aside and starts afresh. An explicit path that
+    fails verification is a UserError naming the damaged file. Each rank verifies its share of the bytes
+    (:func:`~leangrpo_mcore.engine.checkpoint_verify.verify_before_reading`); rank 0 alone lists and renames.
+    ``verify`` False (``checkpoint.verify: false``) skips the verification, with a warning.
     """
     if spec is None:
         return None
-    if spec == "auto":
-        restore_interrupted(run_dir, warn)
-        for path in first_error(_newest_first, run_dir):
-            problem = manifest.verify_on_ranks(path)
-            if problem is None:
-                return path
-            first_error(_set_aside_damaged, path, problem, warn)
-        return None
+    if spec in AUTO:
+        return _resolve_auto(spec, run_dir, warn, verify)
     first_error(_check_resume_path, spec)
-    problem = manifest.verify_on_ranks(spec)
-    if problem is not None:
-        raise UserError(f"checkpoint.resume: {spec} fails verification: {problem}")
+    verify_before_reading(spec, "checkpoint.resume", enabled=verify, required=True)
     return spec
 
 
@@ -604,9 +663,9 @@ def _full_shape(target: torch.Tensor, stub: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  ema: Optional[dict[str, torch.Tensor]], layout: TPLayout) -> tuple[dict, dict]:
-    """(the flat DCP state dict to load into, {parameter: {state key: fresh tensor}} of the optimizer)."""
+def _weight_targets(path: str, metadata: Any, model: torch.nn.Module, ema: Optional[dict[str, torch.Tensor]],
+                    layout: TPLayout) -> dict:
+    """The flat DCP state dict of the policy's weights and EMA shadows to load into."""
     stored = metadata.state_dict_metadata
     targets: dict[str, Any] = {}
     for name, param in model.named_parameters():
@@ -618,6 +677,18 @@ def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: t
             raise UserError(f"checkpoint {path} is incompatible: '{name}' has shape {tuple(stored[key].size)}, "
                             f"this model expects {expected}")
         targets[key] = _blocks(param, layout[name])
+    for name, shadow in (ema or {}).items():
+        if f"ema/{name}" not in stored:
+            raise UserError(f"checkpoint {path} has no EMA of '{name}' but train.ema_decay > 0")
+        targets[f"ema/{name}"] = _blocks(shadow, layout[name])
+    return targets
+
+
+def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  ema: Optional[dict[str, torch.Tensor]], layout: TPLayout) -> tuple[dict, dict]:
+    """(the flat DCP state dict to load into, {parameter: {state key: fresh tensor}} of the optimizer)."""
+    stored = metadata.state_dict_metadata
+    targets = _weight_targets(path, metadata, model, ema, layout)
     names = _param_names(model)
     fresh: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     for group in optimizer.param_groups:
@@ -634,10 +705,6 @@ def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: t
                     value = torch.zeros_like(p.detach(), dtype=dtype)
                     targets[key] = _blocks(value, layout[name])
                 fresh.setdefault(p, {})[key[len(prefix):]] = value
-    for name, shadow in (ema or {}).items():
-        if f"ema/{name}" not in stored:
-            raise UserError(f"checkpoint {path} has no EMA of '{name}' but train.ema_decay > 0")
-        targets[f"ema/{name}"] = _blocks(shadow, layout[name])
     return targets, fresh
 
 
@@ -687,46 +754,77 @@ def nonfinite_tensor(named: dict[str, torch.Tensor]) -> Optional[str]:
     return next((name for name in found if name), None)
 
 
+def _metadata(path: str) -> Any:
+    try:
+        return read_dcp_metadata(Path(path) / DCP_DIR)
+    except CheckpointError as err:
+        raise UserError(f"checkpoint {path}: {err}") from None
+
+
+def _read_into(path: str, metadata: Any, targets: dict) -> None:
+    """Collective: fill ``targets`` from the checkpoint's DCP files; a failed read is one UserError line naming the
+    data file (torch's CheckpointException is a BaseException: a plain ``except Exception`` misses it)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(path) / DCP_DIR
+    try:
+        with quiet_dcp():
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(folder)), planner=BlockLoadPlanner(),
+                     no_dist=_world() == 1)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 -- a damaged data file, in one line
+        files = data_files(metadata, set(targets))
+        where = folder / files[0] if len(files) == 1 else folder
+        raise UserError(f"cannot read checkpoint {where}: {dcp_failure(err)}") from None
+
+
+def _check_finite(path: str, model: torch.nn.Module, ema: Optional[dict[str, torch.Tensor]]) -> None:
+    bad = nonfinite_tensor({**dict(model.named_parameters()), **{f"EMA of {k}": v for k, v in (ema or {}).items()}})
+    if bad is not None:
+        raise UserError(f"checkpoint {path} holds non-finite values in '{bad}'; resume from an earlier checkpoint")
+
+
+def load_weights(path: str, *, model: torch.nn.Module, ema: Optional[dict[str, torch.Tensor]], layout: TPLayout,
+                 warn: Any = None) -> dict:
+    """Collective: restore the policy's weights, modules' extra state and EMA only, for an evaluation: no optimizer
+    state is read or allocated (AdamW's two moments would hold twice the trained parameters on every rank);
+    returns the trainer state."""
+    state = read_state(path)
+    metadata = _metadata(path)
+    targets = _weight_targets(path, metadata, model, ema, layout)
+    report = (warn or get_logger().warning) if _rank() == 0 else (lambda message: None)
+    extras = extra_state.load_targets(path, model, metadata.state_dict_metadata, tp_rank(), tp_world_size(), report)
+    _read_into(path, metadata, {**targets, **extras})
+    extra_state.restore(model, extras, path)
+    _check_finite(path, model, ema)
+    return state
+
+
 def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                     ema: Optional[dict[str, torch.Tensor]], layout: TPLayout, same_layout: bool,
                     warn: Any = None) -> dict:
     """Collective: restore model, optimizer state, modules' extra state, LR-schedule position, EMA and (when
     ``same_layout``) RNG states; returns the trainer state. Optimizer hyper-parameters stay those of this run's
     config. ``warn`` (rank 0; the project logger by default) reports extra state the checkpoint lacks."""
-    import torch.distributed.checkpoint as dcp
-
     state = read_state(path)
     record = _read_json(os.path.join(path, OPTIM_FILE))
     _check_groups(path, model, optimizer, record)
-    folder = Path(path) / DCP_DIR
-    try:
-        metadata = read_dcp_metadata(folder)
-    except CheckpointError as err:
-        raise UserError(f"checkpoint {path}: {err}") from None
+    metadata = _metadata(path)
     targets, fresh = _load_targets(path, metadata, model, optimizer, ema, layout)
     report = (warn or get_logger().warning) if _rank() == 0 else (lambda message: None)
     extras = extra_state.load_targets(path, model, metadata.state_dict_metadata, tp_rank(), tp_world_size(), report)
     targets.update(extras)
-    try:
-        with quiet_dcp():
-            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(folder)), planner=BlockLoadPlanner(),
-                     no_dist=_world() == 1)
-    except Exception as err:  # noqa: BLE001 -- a damaged data file, reported in one line
-        lines = str(err).strip().splitlines()
-        raise UserError(f"cannot read checkpoint {folder}: {lines[-1] if lines else type(err).__name__}") from None
+    _read_into(path, metadata, targets)
     extra_state.restore(model, extras, path)
     names = _param_names(model)
     for p, entries in fresh.items():
         entries.update(record.get("scalars", {}).get(names[id(p)], {}))
         optimizer.state[p] = entries
     _apply_schedule_position(lr_scheduler, optimizer, record.get("lr_scheduler"))
-    bad = nonfinite_tensor({**dict(model.named_parameters()), **{f"EMA of {k}": v for k, v in (ema or {}).items()}})
-    if bad is not None:
-        raise UserError(f"checkpoint {path} holds non-finite values in '{bad}'; resume from an earlier checkpoint")
+    _check_finite(path, model, ema)
     rng_file = os.path.join(path, "rng", f"rank_{_rank()}.pt")
     if same_layout and os.path.isfile(rng_file):
         try:
             set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
         except Exception as err:  # noqa: BLE001 -- truncated or foreign file
-            raise UserError(f"cannot read checkpoint file {rng_file}: {type(err).__name__}") from None
+            raise UserError(f"cannot read checkpoint file {rng_file}: {exception_line(err, 120)}") from None
     return state

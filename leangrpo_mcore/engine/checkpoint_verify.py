@@ -18,6 +18,7 @@ import os
 from typing import Optional
 
 from leangrpo_mcore.engine import ckpt_manifest as manifest
+from leangrpo_mcore.engine.launch import get_logger
 from leangrpo_mcore.errors import UserError
 
 STATE_FILE = "trainer_state.json"
@@ -39,16 +40,16 @@ def problem_words(path: str, problem: str) -> str:
 
 
 def verify_before_reading(path: str, key: str, *, enabled: bool = True, log: Optional[logging.Logger] = None,
-                          switch: str = "checkpoint.verify=false") -> None:
+                          switch: str = "checkpoint.verify=false", required: bool = False) -> None:
     """Collective over the default group when it exists (every rank calls it): a UserError ``<key>: <path> ...``
-    unless the training checkpoint at ``path`` has its marker and every file matches it; nothing for a directory
-    that is no training checkpoint. ``enabled`` False (the setting ``switch``): one log line, no check."""
-    if not os.path.isdir(path) or not is_training_checkpoint(path):
+    unless the training checkpoint at ``path`` has its marker and every file matches it. A directory that is no
+    training checkpoint passes, unless ``required`` (a reader that takes nothing else). ``enabled`` False (the
+    setting ``switch``): one line through ``log`` (the project logger by default), no check."""
+    if not os.path.isdir(path) or not (required or is_training_checkpoint(path)):
         return
     if not enabled:
-        if log is not None:
-            log.warning("%s: %s is read without checking it against its %s marker (%s)", key, path,
-                        manifest.MARKER, switch)
+        (log or get_logger()).warning("%s: %s is read without checking it against its %s marker (%s)", key, path,
+                                      manifest.MARKER, switch)
         return
     problem = manifest.verify_on_ranks(path)
     if problem is not None:

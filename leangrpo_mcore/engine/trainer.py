@@ -379,12 +379,13 @@ class Trainer:
         """Collective: the checkpoint to resume (every rank verifies its share of it), or None after rank 0 has
         checked that a fresh run may start in the directory."""
         spec = self.config.checkpoint.resume
-        path = checkpoint.resolve_resume(spec, self.run_dir, warn=self.log.warning)
+        path = checkpoint.resolve_resume(spec, self.run_dir, warn=self.log.warning,
+                                         verify=self.config.checkpoint.verify)
         first_error(self._prepare_fresh, spec, path)
         return path
 
     def _prepare_fresh(self, spec: Optional[str], path: Optional[str]) -> None:
-        if path is None and spec == "auto":
+        if path is None and spec in checkpoint.AUTO:
             # A launch stopped before its first checkpoint (preempted, killed) leaves metrics only: auto starts
             # afresh instead of refusing them, and keeps them aside.
             for old, new in set_aside_interrupted(self.run_dir):
