@@ -471,6 +471,8 @@ class Trainer:
         try:
             if cfg.eval.before_train and self.state.step == 0:
                 self._evaluate(0)
+            if self._eval_missing_after_resume():
+                self._evaluate(self.state.step)
             for step in range(self.state.step + 1, cfg.train.max_steps + 1):
                 self._train_step(step)
                 self._phase("signal check")
@@ -494,6 +496,15 @@ class Trainer:
         if not self.state.stopped_by_signal:
             self._summary()
         return self.state
+
+    def _eval_missing_after_resume(self) -> bool:
+        """Collective: whether the evaluation due at the resumed step has no row in ``eval.jsonl`` (it failed, or a
+        preemption stopped the launch between the step's save and its evaluation): it is done first, so that the
+        file has no hole."""
+        step, every = self.resumed_step, self.config.eval.every
+        if self.evaluator is None or step is None or not every or step % every:
+            return False
+        return first_error(lambda: not any(row.get("step") == step for row in read_metrics(self.run_dir.eval_path)))
 
     def _start_watchdog(self) -> Optional[StepWatchdog]:
         minutes = self.config.train.step_timeout_minutes

@@ -211,6 +211,45 @@ def test_resume_drops_eval_rows_past_the_checkpoint(tmp_path):
     assert [json.loads(line)["step"] for line in Path(run.eval_path).read_text().splitlines()] == [0, 2, 4]
 
 
+_FAIL_EVAL_AT_CALL: list[int] = []
+"""The call of ``failing_eval_reward_for_tests`` that raises (a server that went away mid-run), if any."""
+_EVAL_CALLS: list[int] = []
+
+if "failing_eval_reward_for_tests" not in REWARDS:
+    @register_reward("failing_eval_reward_for_tests")
+    def _failing_mean_intensity(images, prompts):
+        """Mean pixel intensity; raises at the call named by ``_FAIL_EVAL_AT_CALL``."""
+        _EVAL_CALLS.append(1)
+        if _FAIL_EVAL_AT_CALL and len(_EVAL_CALLS) == _FAIL_EVAL_AT_CALL[0]:
+            raise RuntimeError("the scoring service went away")
+        return images.mean(dim=(1, 2, 3))
+
+
+@pytest.mark.slow
+def test_a_failed_evaluation_is_redone_on_resume(tmp_path, capsys):
+    """The evaluation after step 2 fails (its checkpoint is saved): the run stops in one line, and the resumed run
+    evaluates step 2 before step 3, so eval.jsonl has a row for every evaluated step."""
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    common = ["--config", TINY_FLUX, f"train.output_dir={run}", "checkpoint.save_every=1", "eval.every=1",
+              "eval.num_prompts=1", "eval.samples_per_prompt=1", "eval.rewards=[{name: failing_eval_reward_for_tests}]",
+              "logging.tensorboard=false", "logging.progress_bar=false"]
+    _EVAL_CALLS.clear()
+    _FAIL_EVAL_AT_CALL[:] = [2]  # one sample per evaluation: the second call is the evaluation of step 2
+    try:
+        assert train_main([*common, "train.max_steps=3"]) == 2
+        err = capsys.readouterr().err
+        assert "the scoring service went away" in err and "Traceback" not in err
+    finally:
+        _FAIL_EVAL_AT_CALL.clear()
+    assert [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()] == [1]
+    assert (run / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    assert train_main([*common, "train.max_steps=3", "checkpoint.resume=auto"]) == 0
+    assert [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()] == [1, 2, 3]
+    metrics = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == [1, 2, 3]  # the redone evaluation trains nothing twice
+
+
 def test_eval_prompts_are_the_test_split_of_a_dataset_directory(tmp_path):
     from leangrpo_mcore.engine.evaluate import eval_dataset
     from leangrpo_mcore.errors import UserError
