@@ -3,9 +3,10 @@
 SLURM and Kubernetes send SIGTERM some seconds before SIGKILL; SLURM's ``--signal=USR1@120`` sends SIGUSR1 two
 minutes before the time limit; Ctrl-C is SIGINT. :class:`PreemptionFlag` installs handlers for the signals of
 ``train.save_on_signal`` that only record the signal (a handler may run between any two bytecodes, so it does
-no I/O and no collective). After each optimizer step every rank calls :meth:`PreemptionFlag.agreed`, one
-all-reduce of one number, so that all ranks stop after the same step even when the signal reached them at
-different moments; the trainer then writes a synchronous checkpoint of that step and exits with
+no I/O and no collective). After each optimizer step every rank takes part in one all-reduce of the largest
+signal seen (:func:`agree_after_step`, which carries the step's other flags in the same collective), so that all
+ranks stop after the same step even when the signal reached them at different moments; the trainer then writes
+a synchronous checkpoint of that step and exits with
 :func:`exit_code` (128 + the signal number, the shell's convention: 143 for SIGTERM, 130 for SIGINT, 138 for
 SIGUSR1). Further signals change nothing until then; SIGKILL (or SIGQUIT, Ctrl-\\) stops at once.
 
@@ -23,6 +24,7 @@ import json
 import os
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -60,19 +62,34 @@ class PreemptionFlag:
         if not self.signum:
             self.signum = signum
 
-    def agreed(self) -> int:
-        """Collective over the default group: the largest signal number any rank has seen (0: none)."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self.signum
-        flag = torch.tensor([float(self.signum)], device=collective_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
     def restore(self) -> None:
         """Reinstall the handlers that were there before."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
+
+
+@dataclass(frozen=True)
+class StepControl:
+    """What every rank agrees on after a step, in one collective (:func:`agree_after_step`)."""
+
+    signum: int
+    """The largest preemption signal any rank has seen (0: none)."""
+    io_failed: bool
+    """Some rank failed to write the run's files (metrics, samples, TensorBoard, wandb)."""
+    saving: bool
+    """A background checkpoint write still runs on some rank."""
+
+
+def agree_after_step(signum: int, io_failed: bool, saving: bool) -> StepControl:
+    """Collective over the default group: one all-reduce (MAX) of this rank's preemption signal, failed-write flag
+    and running background write, the three things a step's end decides on, instead of one collective each."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return StepControl(int(signum), bool(io_failed), bool(saving))
+    flags = torch.tensor([float(signum), float(io_failed), float(saving)], device=collective_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    agreed, failed, running = flags.tolist()
+    return StepControl(int(agreed), failed > 0, running > 0)
 
 
 def signal_name(signum: int) -> str:

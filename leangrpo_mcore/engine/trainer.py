@@ -38,8 +38,8 @@ from leangrpo_mcore.engine import build, checkpoint
 from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_error, get_logger, init_distributed,
                                           raise_if_any, shutdown)
 from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_stats
-from leangrpo_mcore.engine.preemption import (PreemptionFlag, exit_code, set_aside_interrupted, signal_name,
-                                              write_marker)
+from leangrpo_mcore.engine.preemption import (PreemptionFlag, agree_after_step, exit_code, set_aside_interrupted,
+                                              signal_name, write_marker)
 from leangrpo_mcore.engine.run_lock import lock_run_dir
 from leangrpo_mcore.engine.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
 from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
@@ -476,7 +476,7 @@ class Trainer:
             for step in range(self.state.step + 1, cfg.train.max_steps + 1):
                 self._train_step(step)
                 self._phase("signal check")
-                signum = signals.agreed()
+                signum = self._after_step(step, signals.signum)
                 if signum and step < cfg.train.max_steps:  # after the last step the run ends as usual
                     self._stop_on_signal(step, signum)
                     break
@@ -557,9 +557,20 @@ class Trainer:
         self.progress.update(step, row)
         if self.bridge.capture:
             self._write_samples(step)
-        self._stop_on_io_failure(step, save_due=self._save_due(step))
-        self._poll_save()
+
+    def _after_step(self, step: int, signum: int) -> int:
+        """Collective, one all-reduce for all three: stop after a failed write (the step's checkpoint saved first
+        when due), report a background write that every rank has finished, stop a diverged run; returns the
+        preemption signal the ranks agree on (0: none)."""
+        pending = self.pending
+        running = pending is not None and pending.future is not None and not pending.future.done()
+        control = agree_after_step(signum, self.io_failure is not None, running)
+        if control.io_failed:
+            self._stop_on_io_failure(step, save_due=self._save_due(step))
+        if pending is not None and pending.future is not None and not control.saving:
+            self._poll_save()
         self._stop_if_diverged(step)
+        return control.signum
 
     def _after_update(self, step: int, skipped: bool) -> None:
         self.state.step = step
@@ -696,19 +707,10 @@ class Trainer:
         return self.run_dir.checkpoint_path(step)
 
     def _poll_save(self) -> None:
-        """Collective: report a background write once it is done on every rank (a failed one stops the run with
-        its one line at the first step after it failed); nothing while it runs."""
-        pending = self.pending
-        if pending is None or pending.future is None:
-            return
-        try:
-            path = pending.poll()
-        except UserError:
-            self.pending = None
-            raise
-        if path is not None:
-            self.pending = None
-            self._published(path)
+        """Report a background write that every rank has finished (:meth:`_after_step` agreed on it): its path,
+        or its one-line error, which stops the run at the first step after it failed."""
+        pending, self.pending = self.pending, None
+        self._published(pending.finish())
 
     def _finish_save(self) -> None:
         """Wait for the checkpoint being written (publishing a synchronous one), then prune."""
