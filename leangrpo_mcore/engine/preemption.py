@@ -23,15 +23,18 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.engine.launch import collective_device
 from leangrpo_mcore.engine.run_dir import RunDir
+from leangrpo_mcore.errors import write_error_file
 
 SIGNAL_NAMES = ("TERM", "INT", "USR1")
 """The signals ``train.save_on_signal`` may name."""
@@ -44,23 +47,55 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
-class PreemptionFlag:
-    """Signal handlers that record the first preemption signal; :meth:`restore` puts the old handlers back."""
+PhaseClock = Callable[[], tuple[str, int, float]]
+"""(phase name, step, ``time.monotonic()`` when the rank entered that phase)."""
 
-    def __init__(self, names: list[str]) -> None:
+
+class PreemptionFlag:
+    """Signal handlers that record the first preemption signal; :meth:`restore` puts the old handlers back.
+
+    With ``stalled_after_s`` and ``phase``, a signal also wakes a watcher thread: a rank that has been in one phase
+    (``phase()``) for longer than ``stalled_after_s`` (the process groups' timeout) cannot be waited for, since any
+    peer waiting on it in a collective has given up already (torchrun signals the other ranks after one of them
+    failed); it exits at once with :func:`exit_code` and one line, instead of ignoring the signal until torchrun's
+    shutdown timeout kills it. A rank making progress finishes its step and saves.
+    """
+
+    def __init__(self, names: list[str], *, stalled_after_s: Optional[float] = None,
+                 phase: Optional[PhaseClock] = None, rank: int = 0, setting: str = "") -> None:
         self.signum = 0
         self._previous: dict[int, Any] = {}
+        self._signalled = threading.Event()
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only; a trainer run elsewhere cannot catch them
         for name in names:
             signum = int(getattr(signal, f"SIG{name}"))
             self._previous[signum] = signal.signal(signum, self._handle)
+        if self._previous and stalled_after_s is not None and phase is not None:
+            threading.Thread(target=self._watch, args=(stalled_after_s, phase, rank, setting),
+                             name="preemption-watch", daemon=True).start()
 
     def _handle(self, signum: int, frame: Any) -> None:
         # Later signals change nothing: a worker often gets the same signal twice (from the scheduler, which
         # signals every process of the job, and forwarded by torchrun), and must still save.
         if not self.signum:
             self.signum = signum
+            self._signalled.set()
+
+    def _watch(self, limit_s: float, phase: PhaseClock, rank: int, setting: str) -> None:
+        """After a signal: exit this process as soon as its current phase has lasted longer than ``limit_s``."""
+        self._signalled.wait()
+        while True:
+            name, step, since = phase()
+            age = time.monotonic() - since
+            if age > limit_s:
+                message = (f"{signal_name(self.signum)} reached rank {rank} stalled in {name} of step {step} for "
+                           f"{age:.0f} s, longer than {setting}: its peers have given up on it, so it stops now "
+                           f"without saving")
+                print(f"[leangrpo {rank}] {message}", file=sys.stderr, flush=True)
+                write_error_file(message)
+                os._exit(exit_code(self.signum))
+            time.sleep(min(0.2, limit_s - age + 0.01))
 
     def restore(self) -> None:
         """Reinstall the handlers that were there before."""

@@ -365,6 +365,8 @@ class Trainer:
         self.resumed_step: Optional[int] = None
         self.pending: Optional[checkpoint.PendingSave] = None
         self.watchdog: Optional[StepWatchdog] = None
+        self.phase_now = ("start-up", 0, time.monotonic())
+        """(phase, step, monotonic time it began) of this rank, for the preemption watcher."""
         if self.resume_path is not None:
             self._resume(self.resume_path, same_layout)
         self.config_yaml = config_to_yaml(config)
@@ -483,7 +485,10 @@ class Trainer:
         """Train until ``train.max_steps`` or a preemption signal (see :meth:`_stop_on_signal`); returns the
         final counters."""
         cfg = self.config
-        signals = PreemptionFlag(cfg.train.save_on_signal)
+        minutes = cfg.parallel.timeout_minutes
+        signals = PreemptionFlag(cfg.train.save_on_signal, stalled_after_s=minutes * 60.0,
+                                 phase=lambda: self.phase_now, rank=self.dist.rank,
+                                 setting=f"parallel.timeout_minutes={minutes:g}")
         self.watchdog = self._start_watchdog()
         self.bridge.watchdog = self.watchdog
         try:
@@ -532,7 +537,9 @@ class Trainer:
                             setting=f"train.step_timeout_minutes={minutes:g}")
 
     def _phase(self, name: str, step: Optional[int] = None) -> None:
-        """Tell the step watchdog (if any) what this rank does now."""
+        """Record what this rank does now (``phase_now``, read after a preemption signal) and tell the step watchdog
+        (if any)."""
+        self.phase_now = (name, self.phase_now[1] if step is None else step, time.monotonic())
         if self.watchdog is not None:
             self.watchdog.enter(name, step)
 
