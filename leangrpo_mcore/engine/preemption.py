@@ -66,6 +66,7 @@ class PreemptionFlag:
         self.signum = 0
         self._previous: dict[int, Any] = {}
         self._signalled = threading.Event()
+        self._closed = False
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only; a trainer run elsewhere cannot catch them
         for name in names:
@@ -85,7 +86,7 @@ class PreemptionFlag:
     def _watch(self, limit_s: float, phase: PhaseClock, rank: int, setting: str) -> None:
         """After a signal: exit this process as soon as its current phase has lasted longer than ``limit_s``."""
         self._signalled.wait()
-        while True:
+        while not self._closed:
             name, step, since = phase()
             age = time.monotonic() - since
             if age > limit_s:
@@ -98,7 +99,9 @@ class PreemptionFlag:
             time.sleep(min(0.2, limit_s - age + 0.01))
 
     def restore(self) -> None:
-        """Reinstall the handlers that were there before."""
+        """Reinstall the handlers that were there before (and end the watcher thread)."""
+        self._closed = True
+        self._signalled.set()
         for signum, previous in self._previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
