@@ -37,9 +37,9 @@ from leangrpo_mcore.config import Config
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.launch import DistContext, raise_if_any
 from leangrpo_mcore.engine.references import StepReferences
+from leangrpo_mcore.engine.reward_bridge import RewardBridge
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.throughput import step_throughput
-from leangrpo_mcore.engine.trainer import RewardBridge
 from leangrpo_mcore.planner.flops import step_flops_for_config
 from leangrpo_mcore.schedules import SCHEDULES
 

@@ -164,7 +164,7 @@ def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite
     :func:`export_dtype`). A training checkpoint is first checked against its ``COMPLETE`` marker (unless not
     ``verify``), then read one tensor at a time from its sharded files, without its optimizer state and without a
     launch."""
-    from leangrpo_mcore.engine.checkpoint_verify import verify_before_reading
+    from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
     from leangrpo_mcore.models.common import checkpoint as ckpt
     from leangrpo_mcore.models.registry import get_family
 

@@ -23,7 +23,7 @@ from leangrpo_mcore.data.reference import check_image_conditioning
 from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
-from leangrpo_mcore.engine.checkpoint import TPLayout, capture_tp_layout
+from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout
 from leangrpo_mcore.engine.auto_layout import (apply_choice, auto_keys, chosen_words, describe_inputs,
                                                planning_inputs, unplanned)
 from leangrpo_mcore.engine.launch import DistContext

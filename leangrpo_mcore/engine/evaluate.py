@@ -35,8 +35,8 @@ from leangrpo_mcore.diffusion.seeding import eval_inputs
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.launch import raise_if_any
-from leangrpo_mcore.engine.samples import beside_sources, save_grid, to_uint8, video_to_uint8
-from leangrpo_mcore.engine.video import write_video_grid
+from leangrpo_mcore.engine.output.samples import beside_sources, save_grid, to_uint8, video_to_uint8
+from leangrpo_mcore.engine.output.video import write_video_grid
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
 from leangrpo_mcore.parallel.mesh import ParallelContext

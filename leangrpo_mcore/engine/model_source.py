@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from leangrpo_mcore.config.schema import Config, LoRAConfig as LoRASection
-from leangrpo_mcore.engine.checkpoint_verify import verify_before_reading
+from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models import LoRAConfig, resolve_model_config
 from leangrpo_mcore.models.common import checkpoint as ckpt

@@ -390,7 +390,7 @@ def test_reweight_micro_batches_train_every_sample_of_the_per_sample_forwards(mi
 
 
 def test_only_reweight_asks_the_rollout_for_per_sample_forwards(monkeypatch):
-    import leangrpo_mcore.engine.step as step
+    import leangrpo_mcore.engine.step.rollout as step
 
     asked, real = [], step.RolloutLoop
     monkeypatch.setattr(step, "RolloutLoop", lambda *a, **k: asked.append(k["per_sample_grad"]) or real(*a, **k))

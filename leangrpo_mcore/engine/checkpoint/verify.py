@@ -3,7 +3,7 @@
 Resume (``checkpoint.resume``), ``model.path=RUN/checkpoints/step_<N>``, ``leangrpo-eval --checkpoint`` and
 ``leangrpo-convert mcore-to-diffusers --src`` all call :func:`verify_before_reading`: the ``COMPLETE`` marker's
 sizes and CRC-32s are checked with each rank reading its share of the bytes
-(:func:`~leangrpo_mcore.engine.ckpt_manifest.verify_on_ranks`), and a checkpoint without its marker, or with a
+(:func:`~leangrpo_mcore.engine.checkpoint.manifest.verify_on_ranks`), and a checkpoint without its marker, or with a
 file that does not match it, is refused in one :class:`~leangrpo_mcore.errors.UserError` line that names the
 reader's key, the checkpoint and the file. A policy or diffusers directory (no marker, no ``dcp/``, no trainer
 state) is not a training checkpoint and is read as before. ``checkpoint.verify: false`` (``leangrpo-convert
@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Optional
 
-from leangrpo_mcore.engine import ckpt_manifest as manifest
+from leangrpo_mcore.engine.checkpoint import manifest
 from leangrpo_mcore.engine.launch import get_logger
 from leangrpo_mcore.errors import UserError
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.engine.launch import collective_device
-from leangrpo_mcore.engine.run_dir import RunDir
+from leangrpo_mcore.engine.output.run_dir import RunDir
 from leangrpo_mcore.errors import write_error_file
 
 SIGNAL_NAMES = ("TERM", "INT", "USR1")
