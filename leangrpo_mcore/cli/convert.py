@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_diffusers.add_argument("--keep-lora", action="store_true",
                               help=f"keep adapters unmerged, written to {LORA_FILE}")
     to_diffusers.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")
+    to_diffusers.add_argument("--no-verify", action="store_true",
+                              help="read a training checkpoint without checking it against its COMPLETE marker "
+                                   "(by default a damaged or incomplete one is refused)")
     to_diffusers.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                               help="dtype of the exported weights (default: the master weights' dtype, e.g. "
                                    "float32: for merged LoRA adapters the adapters' dtype, else as stored)")
@@ -155,13 +158,17 @@ def export_dtype(adapters: dict, keep_lora: bool, dtype: Optional[str]) -> Optio
 
 
 def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite: bool = False,
-                       dtype: Optional[str] = None) -> Path:
+                       dtype: Optional[str] = None, verify: bool = True) -> Path:
     """Export our checkpoint at ``src`` (a policy directory or a training checkpoint ``step_<N>``) as a diffusers
-    transformer directory at ``dst``, in ``dtype`` (default: the master weights' dtype, see :func:`export_dtype`). A training checkpoint is read one
-    tensor at a time from its sharded files, without its optimizer state and without a launch."""
+    transformer directory at ``dst``, in ``dtype`` (default: the master weights' dtype, see
+    :func:`export_dtype`). A training checkpoint is first checked against its ``COMPLETE`` marker (unless not
+    ``verify``), then read one tensor at a time from its sharded files, without its optimizer state and without a
+    launch."""
+    from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
     from leangrpo_mcore.models.common import checkpoint as ckpt
     from leangrpo_mcore.models.registry import get_family
 
+    verify_before_reading(src, "--src", enabled=verify, switch="--no-verify")
     meta, source = ckpt.read_policy_checkpoint(src)
     family = get_family(meta["family"])
     config = family.config_cls.from_diffusers_config(meta["config"])
@@ -200,7 +207,7 @@ def _main(argv: Sequence[str] | None) -> int:
             out = diffusers_to_mcore(args.model, args.src, args.dst, overwrite=args.overwrite)
         else:
             out = mcore_to_diffusers(args.src, args.dst, keep_lora=args.keep_lora, overwrite=args.overwrite,
-                                     dtype=args.dtype)
+                                     dtype=args.dtype, verify=not args.no_verify)
     except UserError:
         raise
     except ValueError as err:  # a config or state dict of the wrong kind, reported by the family code

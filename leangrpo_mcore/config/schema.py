@@ -336,7 +336,14 @@ class CheckpointConfig:
     save_every: int = option(0, ge=0)
     """Save every N steps (0: only at the end)."""
     resume: Optional[str] = None
-    """null (fresh run), auto (newest complete checkpoint in output_dir), or a checkpoint path."""
+    """null (fresh run), auto (the newest checkpoint in output_dir that verifies; damaged newer ones are set aside,
+    and when every checkpoint is damaged the run stops instead of training from step 0), fresh_if_damaged (auto,
+    except that a run directory whose every checkpoint is damaged starts afresh on purpose, the damaged ones set
+    aside), or a checkpoint path."""
+    verify: bool = True
+    """Check a training checkpoint's COMPLETE marker (every file's size and CRC-32, each rank reading its share)
+    before anything reads it: checkpoint.resume, model.path and leangrpo-eval --checkpoint. false skips the check
+    on purpose, with one log line (a read error is still one line; altered weights then go unnoticed)."""
     keep_last: int = option(0, ge=0)
     """Keep only the newest N checkpoints (0 keeps all); the one just written is always kept."""
     async_save: bool = False

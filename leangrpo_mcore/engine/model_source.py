@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from leangrpo_mcore.config.schema import Config, LoRAConfig as LoRASection
+from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models import LoRAConfig, resolve_model_config
 from leangrpo_mcore.models.common import checkpoint as ckpt
@@ -115,15 +116,20 @@ def lora_section(section: LoRASection, family: ModelFamily) -> LoRAConfig:
     return LoRAConfig(rank=section.rank, alpha=section.alpha, targets=targets)
 
 
-def resolve_model_source(config: Config, *, check: bool = True) -> ModelSource:
-    """The :class:`ModelSource` of ``config`` (``check``: refuse an unintended random init of a full-size preset; the
-    planner, which never needs weights, skips it). One-line UserError for a bad path or a family mismatch."""
+def resolve_model_source(config: Config, *, check: bool = True, log: Any = None) -> ModelSource:
+    """The :class:`ModelSource` of ``config``. ``check`` (a run that reads the weights; the planner, which never
+    does, skips it): refuse an unintended random init of a full-size preset, and verify a training checkpoint
+    named by ``model.path`` against its ``COMPLETE`` marker (collective: every rank calls this, each reads its
+    share; ``checkpoint.verify: false`` skips it, logged through ``log``). One-line UserError for a bad path, a
+    damaged checkpoint or a family mismatch."""
     m = config.model
     if check:
         check_random_init(config)
     if m.path is not None:
         if not os.path.isdir(m.path):
             raise UserError(f"model.path: no such directory: {m.path}")
+        if check:
+            verify_before_reading(m.path, "model.path", enabled=config.checkpoint.verify, log=log)
         path = policy_dir(m.path)
         files = read_policy_files(path)
         if files.family.name != m.family:

@@ -40,8 +40,8 @@ from leangrpo_mcore.engine.checkpoint.resume import check_compatible, compare_co
 from leangrpo_mcore.engine.control.io_failures import IOFailures
 from leangrpo_mcore.engine.control.lock import lock_run_dir
 from leangrpo_mcore.engine.control.nonfinite import NonFiniteGuard, check_streak
-from leangrpo_mcore.engine.control.preemption import (PreemptionFlag, exit_code, set_aside_interrupted,
-                                                      signal_name, write_marker)
+from leangrpo_mcore.engine.control.preemption import (PreemptionFlag, agree_after_step, exit_code,
+                                                      set_aside_interrupted, signal_name, write_marker)
 from leangrpo_mcore.engine.control.watchdog import StepWatchdog
 from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, write_eval_grid
 from leangrpo_mcore.engine.launch import (DistContext, first_error, get_logger, init_distributed, raise_if_any,
@@ -123,6 +123,8 @@ class Trainer:
         self.checkpoints = checkpoint.CheckpointWriter(self.run_dir, keep_last=config.checkpoint.keep_last,
                                                        log=logger, is_main=dist_ctx.is_main)
         self.watchdog: Optional[StepWatchdog] = None
+        self.phase_now = ("start-up", 0, time.monotonic())
+        """(phase, step, monotonic time it began) of this rank, for the preemption watcher."""
         if self.resume_path is not None:
             self._resume(self.resume_path, same_layout)
         self.config_yaml = config_to_yaml(config)
@@ -155,12 +157,13 @@ class Trainer:
         """Collective: the checkpoint to resume (every rank verifies its share of it), or None after rank 0 has
         checked that a fresh run may start in the directory."""
         spec = self.config.checkpoint.resume
-        path = checkpoint.resolve_resume(spec, self.run_dir, warn=self.log.warning)
+        path = checkpoint.resolve_resume(spec, self.run_dir, warn=self.log.warning,
+                                         verify=self.config.checkpoint.verify)
         first_error(self._prepare_fresh, spec, path)
         return path
 
     def _prepare_fresh(self, spec: Optional[str], path: Optional[str]) -> None:
-        if path is None and spec == "auto":
+        if path is None and spec in checkpoint.AUTO:
             # A launch stopped before its first checkpoint (preempted, killed) leaves metrics only: auto starts
             # afresh instead of refusing them, and keeps them aside.
             for old, new in set_aside_interrupted(self.run_dir):
@@ -205,16 +208,21 @@ class Trainer:
         """Train until ``train.max_steps`` or a preemption signal (see :meth:`_stop_on_signal`); returns the
         final counters."""
         cfg = self.config
-        signals = PreemptionFlag(cfg.train.save_on_signal)
+        minutes = cfg.parallel.timeout_minutes
+        signals = PreemptionFlag(cfg.train.save_on_signal, stalled_after_s=minutes * 60.0,
+                                 phase=lambda: self.phase_now, rank=self.dist.rank,
+                                 setting=f"parallel.timeout_minutes={minutes:g}")
         self.watchdog = self._start_watchdog()
         self.bridge.watchdog = self.watchdog
         try:
             if cfg.eval.before_train and self.state.step == 0:
                 self._evaluate(0)
+            if self._eval_missing_after_resume():
+                self._evaluate(self.state.step)
             for step in range(self.state.step + 1, cfg.train.max_steps + 1):
                 self._train_step(step)
                 self._phase("signal check")
-                signum = signals.agreed()
+                signum = self._after_step(step, signals.signum)
                 if signum and step < cfg.train.max_steps:  # after the last step the run ends as usual
                     self._stop_on_signal(step, signum)
                     break
@@ -235,6 +243,15 @@ class Trainer:
             self._summary()
         return self.state
 
+    def _eval_missing_after_resume(self) -> bool:
+        """Collective: whether the evaluation due at the resumed step has no row in ``eval.jsonl`` (it failed, or a
+        preemption stopped the launch between the step's save and its evaluation): it is done first, so that the
+        file has no hole."""
+        step, every = self.resumed_step, self.config.eval.every
+        if self.evaluator is None or step is None or not every or step % every:
+            return False
+        return first_error(lambda: not any(row.get("step") == step for row in read_metrics(self.run_dir.eval_path)))
+
     def _start_watchdog(self) -> Optional[StepWatchdog]:
         minutes = self.config.train.step_timeout_minutes
         if minutes <= 0:
@@ -243,7 +260,9 @@ class Trainer:
                             setting=f"train.step_timeout_minutes={minutes:g}")
 
     def _phase(self, name: str, step: Optional[int] = None) -> None:
-        """Tell the step watchdog (if any) what this rank does now."""
+        """Record what this rank does now (``phase_now``, read after a preemption signal) and tell the step watchdog
+        (if any)."""
+        self.phase_now = (name, self.phase_now[1] if step is None else step, time.monotonic())
         if self.watchdog is not None:
             self.watchdog.enter(name, step)
 
@@ -290,10 +309,18 @@ class Trainer:
         self.progress.update(step, row)
         if self.bridge.capture:
             self._write_samples(step)
-        self._stop_on_io_failure(step, save_due=self._save_due(step))
-        self.checkpoints.poll()
+
+    def _after_step(self, step: int, signum: int) -> int:
+        """Collective, one all-reduce for all three: stop after a failed write (the step's checkpoint saved first
+        when due), report a background write that every rank has finished, stop a diverged run; returns the
+        preemption signal the ranks agree on (0: none)."""
+        control = agree_after_step(signum, self.io.first is not None, self.checkpoints.running)
+        if control.io_failed:
+            self._stop_on_io_failure(step, save_due=self._save_due(step))
+        self.checkpoints.poll(control.saving)
         check_streak(step, self.state.nonfinite_streak, resumed_step=self.resumed_step,
                      max_skips=self.config.train.max_nonfinite_skips)
+        return control.signum
 
     def _after_update(self, step: int, skipped: bool) -> None:
         self.state.step = step

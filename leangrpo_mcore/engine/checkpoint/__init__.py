@@ -23,9 +23,11 @@ The modules, by what a reader looks for:
                     CheckpointWriter (a run's writes, one at a time)
     publish.py      checksumming, the COMPLETE marker and the atomic rename; pruning old checkpoints
     manifest.py     the marker's file list and CRC-32s; verification shared out over the ranks
-    load.py         loading at this run's layout: load_checkpoint
-    resume.py       which checkpoint checkpoint.resume names: resolve_resume (verified; damaged ones set aside),
-                    and whether it fits this run (the same model; the config changes it allows)
+    load.py         loading at this run's layout: load_checkpoint, or the weights and EMA alone: load_weights
+    resume.py       which checkpoint checkpoint.resume names: resolve_resume (verified; damaged ones set aside,
+                    a run directory of damaged ones refused), and whether it fits this run (the same model; the
+                    config changes it allows)
+    verify.py       the one check every reader of a checkpoint makes first: verify_before_reading
     extra_state.py  modules' extra state (Transformer Engine's FP8 metadata) per TP rank
 
 The names below are the package's interface (the trainer, evaluation, tools and tests use them); the modules'
@@ -34,11 +36,13 @@ other names are theirs. The run directory's layout, the ``COMPLETE`` marker's na
 """
 
 from leangrpo_mcore.engine.checkpoint.format import STATE_FILE, list_complete, read_state, saved_config
-from leangrpo_mcore.engine.checkpoint.load import load_checkpoint
+from leangrpo_mcore.engine.checkpoint.load import load_checkpoint, load_weights
 from leangrpo_mcore.engine.checkpoint.publish import prune
-from leangrpo_mcore.engine.checkpoint.resume import resolve_resume
+from leangrpo_mcore.engine.checkpoint.resume import AUTO, FRESH_IF_DAMAGED, resolve_resume
 from leangrpo_mcore.engine.checkpoint.save import CheckpointWriter, PendingSave, save_checkpoint
+from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
 from leangrpo_mcore.models.common.tp import capture_tp_layout
 
-__all__ = ["STATE_FILE", "CheckpointWriter", "PendingSave", "capture_tp_layout", "list_complete", "load_checkpoint",
-           "prune", "read_state", "resolve_resume", "save_checkpoint", "saved_config"]
+__all__ = ["AUTO", "FRESH_IF_DAMAGED", "STATE_FILE", "CheckpointWriter", "PendingSave", "capture_tp_layout",
+           "list_complete", "load_checkpoint", "load_weights", "prune", "read_state", "resolve_resume",
+           "save_checkpoint", "saved_config", "verify_before_reading"]

@@ -1,5 +1,6 @@
 """Loading a training checkpoint at this run's layout: model, optimizer state, EMA, modules' extra state, the
-LR-schedule position and (at the same layout) the RNG states.
+LR-schedule position and (at the same layout) the RNG states (:func:`load_checkpoint`, to resume), or the weights,
+modules' extra state and EMA alone (:func:`load_weights`, to evaluate).
 
 Each rank reads the boxes of the FULL tensors it needs at its own layout, which is what makes a checkpoint load at
 any world size, FSDP2/HSDP degree and TP degree. FSDP2 drops the megatron TP attributes of parameters when it wraps
@@ -20,10 +21,10 @@ from leangrpo_mcore.engine.checkpoint import extra_state
 from leangrpo_mcore.engine.checkpoint.format import OPTIM_FILE, rank, read_json, read_state, world
 from leangrpo_mcore.engine.checkpoint.state import blocks, param_names, set_rng_state
 from leangrpo_mcore.engine.launch import get_logger
-from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.errors import UserError, exception_line
 from leangrpo_mcore.models.common.checkpoint import DCP_DIR, CheckpointError
 from leangrpo_mcore.models.common.dcp_blocks import BlockLoadPlanner, quiet_dcp
-from leangrpo_mcore.models.common.dcp_source import read_dcp_metadata
+from leangrpo_mcore.models.common.dcp_source import data_files, dcp_failure, read_dcp_metadata
 from leangrpo_mcore.models.common.tp import TPLayout, tp_rank, tp_world_size
 
 
@@ -34,9 +35,9 @@ def _full_shape(target: torch.Tensor, stub: torch.Tensor) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  ema: Optional[dict[str, torch.Tensor]], layout: TPLayout) -> tuple[dict, dict]:
-    """(the flat DCP state dict to load into, {parameter: {state key: fresh tensor}} of the optimizer)."""
+def _weight_targets(path: str, metadata: Any, model: torch.nn.Module, ema: Optional[dict[str, torch.Tensor]],
+                    layout: TPLayout) -> dict:
+    """The flat DCP state dict of the policy's weights and EMA shadows to load into."""
     stored = metadata.state_dict_metadata
     targets: dict[str, Any] = {}
     for name, param in model.named_parameters():
@@ -48,6 +49,18 @@ def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: t
             raise UserError(f"checkpoint {path} is incompatible: '{name}' has shape {tuple(stored[key].size)}, "
                             f"this model expects {expected}")
         targets[key] = blocks(param, layout[name])
+    for name, shadow in (ema or {}).items():
+        if f"ema/{name}" not in stored:
+            raise UserError(f"checkpoint {path} has no EMA of '{name}' but train.ema_decay > 0")
+        targets[f"ema/{name}"] = blocks(shadow, layout[name])
+    return targets
+
+
+def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  ema: Optional[dict[str, torch.Tensor]], layout: TPLayout) -> tuple[dict, dict]:
+    """(the flat DCP state dict to load into, {parameter: {state key: fresh tensor}} of the optimizer)."""
+    stored = metadata.state_dict_metadata
+    targets = _weight_targets(path, metadata, model, ema, layout)
     names = param_names(model)
     fresh: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
     for group in optimizer.param_groups:
@@ -64,10 +77,6 @@ def _load_targets(path: str, metadata: Any, model: torch.nn.Module, optimizer: t
                     value = torch.zeros_like(p.detach(), dtype=dtype)
                     targets[key] = blocks(value, layout[name])
                 fresh.setdefault(p, {})[key[len(prefix):]] = value
-    for name, shadow in (ema or {}).items():
-        if f"ema/{name}" not in stored:
-            raise UserError(f"checkpoint {path} has no EMA of '{name}' but train.ema_decay > 0")
-        targets[f"ema/{name}"] = blocks(shadow, layout[name])
     return targets, fresh
 
 
@@ -117,46 +126,78 @@ def nonfinite_tensor(named: dict[str, torch.Tensor]) -> Optional[str]:
     return next((name for name in found if name), None)
 
 
+def _metadata(path: str) -> Any:
+    try:
+        return read_dcp_metadata(Path(path) / DCP_DIR)
+    except CheckpointError as err:
+        raise UserError(f"checkpoint {path}: {err}") from None
+
+
+def _read_into(path: str, metadata: Any, targets: dict) -> None:
+    """Collective: fill ``targets`` from the checkpoint's DCP files; a failed read is one UserError line naming the
+    data file (torch's CheckpointException is a BaseException: a plain ``except Exception`` misses it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    folder = Path(path) / DCP_DIR
+    try:
+        with quiet_dcp():
+            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(folder)), planner=BlockLoadPlanner(),
+                     no_dist=world() == 1)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 -- a damaged data file, in one line
+        files = data_files(metadata, set(targets))
+        where = folder / files[0] if len(files) == 1 else folder
+        raise UserError(f"cannot read checkpoint {where}: {dcp_failure(err)}") from None
+
+
+def _check_finite(path: str, model: torch.nn.Module, ema: Optional[dict[str, torch.Tensor]]) -> None:
+    bad = nonfinite_tensor({**dict(model.named_parameters()), **{f"EMA of {k}": v for k, v in (ema or {}).items()}})
+    if bad is not None:
+        raise UserError(f"checkpoint {path} holds non-finite values in '{bad}'; resume from an earlier checkpoint")
+
+
+def load_weights(path: str, *, model: torch.nn.Module, ema: Optional[dict[str, torch.Tensor]], layout: TPLayout,
+                 warn: Any = None) -> dict:
+    """Collective: restore the policy's weights, modules' extra state and EMA only, for an evaluation: no optimizer
+    state is read or allocated (AdamW's two moments would hold twice the trained parameters on every rank);
+    returns the trainer state."""
+    state = read_state(path)
+    metadata = _metadata(path)
+    targets = _weight_targets(path, metadata, model, ema, layout)
+    report = (warn or get_logger().warning) if rank() == 0 else (lambda message: None)
+    extras = extra_state.load_targets(path, model, metadata.state_dict_metadata, tp_rank(), tp_world_size(), report)
+    _read_into(path, metadata, {**targets, **extras})
+    extra_state.restore(model, extras, path)
+    _check_finite(path, model, ema)
+    return state
+
+
 def load_checkpoint(path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                     ema: Optional[dict[str, torch.Tensor]], layout: TPLayout, same_layout: bool,
                     warn: Any = None) -> dict:
     """Collective: restore model, optimizer state, modules' extra state, LR-schedule position, EMA and (when
     ``same_layout``) RNG states; returns the trainer state. Optimizer hyper-parameters stay those of this run's
     config. ``warn`` (rank 0; the project logger by default) reports extra state the checkpoint lacks."""
-    import torch.distributed.checkpoint as dcp
-
     state = read_state(path)
     record = read_json(os.path.join(path, OPTIM_FILE))
     _check_groups(path, model, optimizer, record)
-    folder = Path(path) / DCP_DIR
-    try:
-        metadata = read_dcp_metadata(folder)
-    except CheckpointError as err:
-        raise UserError(f"checkpoint {path}: {err}") from None
+    metadata = _metadata(path)
     targets, fresh = _load_targets(path, metadata, model, optimizer, ema, layout)
     report = (warn or get_logger().warning) if rank() == 0 else (lambda message: None)
     extras = extra_state.load_targets(path, model, metadata.state_dict_metadata, tp_rank(), tp_world_size(), report)
     targets.update(extras)
-    try:
-        with quiet_dcp():
-            dcp.load(targets, storage_reader=dcp.FileSystemReader(str(folder)), planner=BlockLoadPlanner(),
-                     no_dist=world() == 1)
-    except Exception as err:  # noqa: BLE001 -- a damaged data file, reported in one line
-        lines = str(err).strip().splitlines()
-        raise UserError(f"cannot read checkpoint {folder}: {lines[-1] if lines else type(err).__name__}") from None
+    _read_into(path, metadata, targets)
     extra_state.restore(model, extras, path)
     names = param_names(model)
     for p, entries in fresh.items():
         entries.update(record.get("scalars", {}).get(names[id(p)], {}))
         optimizer.state[p] = entries
     _apply_schedule_position(lr_scheduler, optimizer, record.get("lr_scheduler"))
-    bad = nonfinite_tensor({**dict(model.named_parameters()), **{f"EMA of {k}": v for k, v in (ema or {}).items()}})
-    if bad is not None:
-        raise UserError(f"checkpoint {path} holds non-finite values in '{bad}'; resume from an earlier checkpoint")
+    _check_finite(path, model, ema)
     rng_file = os.path.join(path, "rng", f"rank_{rank()}.pt")
     if same_layout and os.path.isfile(rng_file):
         try:
             set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
         except Exception as err:  # noqa: BLE001 -- truncated or foreign file
-            raise UserError(f"cannot read checkpoint file {rng_file}: {type(err).__name__}") from None
+            raise UserError(f"cannot read checkpoint file {rng_file}: {exception_line(err, 120)}") from None
     return state

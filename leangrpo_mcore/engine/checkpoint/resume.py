@@ -1,5 +1,6 @@
 """Which checkpoint a run resumes: ``checkpoint.resume`` resolved to a verified checkpoint, interrupted publishes
-put back in place, damaged checkpoints set aside.
+put back in place, damaged checkpoints set aside, a run directory of nothing but damaged ones refused (unless
+``fresh_if_damaged`` asks for a fresh start).
 
 Every rank verifies its share of a checkpoint's bytes
 (:func:`~leangrpo_mcore.engine.checkpoint.manifest.verify_on_ranks`); rank 0 alone lists and renames, and every
@@ -19,9 +20,13 @@ from leangrpo_mcore.config.drift import PROMPTS_CONTENT, config_changes, refusal
 
 from leangrpo_mcore.engine.checkpoint import manifest
 from leangrpo_mcore.engine.checkpoint.format import MARKER, list_complete, read_state, saved_config
+from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
 from leangrpo_mcore.engine.launch import first_error
-from leangrpo_mcore.engine.output.run_dir import STEP_ANY, RunDir, is_complete
+from leangrpo_mcore.engine.output.run_dir import STEP_ANY, STEP_DIR, RunDir, is_complete
 from leangrpo_mcore.errors import UserError
+
+FRESH_IF_DAMAGED = "fresh_if_damaged"
+"""``checkpoint.resume``: as ``auto``, but a run directory whose every checkpoint is damaged starts afresh."""
 
 
 def set_aside(path: str, final: Optional[str] = None) -> str:
@@ -80,49 +85,104 @@ def restore_interrupted(run_dir: RunDir, warn: Any = None) -> list[str]:
     return restored
 
 
+AUTO = ("auto", FRESH_IF_DAMAGED)
+"""The ``checkpoint.resume`` values that pick the newest checkpoint of the run directory."""
+
+
 def _newest_first(run_dir: RunDir) -> list[str]:
     return [path for _, path in reversed(list_complete(run_dir))]
 
 
-def _set_aside_damaged(path: str, problem: str, warn: Any) -> None:
-    try:
-        moved = set_aside(path)
-    except OSError as err:
-        raise UserError(f"checkpoint {path} is damaged ({problem}) and cannot be set aside: {err.strerror}") from None
-    if warn is not None:
-        warn(f"checkpoint {path} is damaged ({problem}); set aside as {moved}, trying the previous one")
+def _incomplete(run_dir: RunDir, warn: Any) -> list[str]:
+    """Rank 0: the ``step_<N>`` directories without a ``COMPLETE`` marker, oldest first, each named in a warning
+    (a save never renames one into place unfinished: a copy or a removal by hand that stopped halfway)."""
+    found = []
+    for name in run_dir.existing_checkpoints():
+        match = STEP_DIR.match(name)
+        if match and not is_complete(os.path.join(run_dir.checkpoints_dir, name)):
+            found.append((int(match.group(1)), os.path.join(run_dir.checkpoints_dir, name)))
+    for _, path in sorted(found):
+        if warn is not None:
+            warn(f"checkpoint {path} has no {MARKER} marker (a copy or a removal that stopped halfway); it is not "
+                 f"resumed")
+    return [path for _, path in sorted(found)]
+
+
+def _newest_unverified(run_dir: RunDir, warn: Any) -> Optional[str]:
+    """Rank 0: the newest checkpoint with a marker, resumed unverified (``checkpoint.verify: false``), warned."""
+    candidates = _newest_first(run_dir)
+    if candidates and warn is not None:
+        warn(f"checkpoint.resume: {candidates[0]} is resumed without checking it against its {MARKER} marker "
+             f"(checkpoint.verify=false)")
+    return candidates[0] if candidates else None
+
+
+def _set_aside_all(damaged: list[tuple[str, str]], warn: Any, then: str) -> None:
+    """Rank 0: set each damaged (path, problem) aside, one warning line each ending with ``then``."""
+    for path, problem in damaged:
+        try:
+            moved = set_aside(path)
+        except OSError as err:
+            raise UserError(f"checkpoint {path} is damaged ({problem}) and cannot be set aside: "
+                            f"{err.strerror}") from None
+        if warn is not None:
+            warn(f"checkpoint {path} is damaged ({problem}); set aside as {moved}, {then}")
+
+
+def _nothing_verifies(run_dir: RunDir, damaged: list[tuple[str, str]], incomplete: list[str]) -> UserError:
+    found = [f"{os.path.basename(path)}: {problem}" for path, problem in damaged]
+    found += [f"{os.path.basename(path)}: no {MARKER} marker" for path in incomplete]
+    return UserError(f"checkpoint.resume=auto: no checkpoint in {run_dir.checkpoints_dir} verifies ("
+                     f"{'; '.join(found)}); nothing was trained. Copy intact checkpoints back, or start afresh on "
+                     f"purpose with checkpoint.resume={FRESH_IF_DAMAGED} (the damaged ones are set aside)")
+
+
+def _resolve_auto(spec: str, run_dir: RunDir, warn: Any, verify: bool) -> Optional[str]:
+    """Collective: :func:`resolve_resume` for ``auto`` and ``fresh_if_damaged``."""
+    restore_interrupted(run_dir, warn)
+    incomplete = first_error(_incomplete, run_dir, warn)
+    if not verify:
+        return first_error(_newest_unverified, run_dir, warn)
+    damaged: list[tuple[str, str]] = []
+    for path in first_error(_newest_first, run_dir):
+        problem = manifest.verify_on_ranks(path)
+        if problem is None:
+            first_error(_set_aside_all, damaged, warn, f"resuming from {os.path.basename(path)}")
+            return path
+        damaged.append((path, problem))
+    if not damaged and not incomplete:
+        return None
+    if spec == "auto":
+        raise _nothing_verifies(run_dir, damaged, incomplete)  # every rank has the same lists
+    damaged += [(path, f"no {MARKER} marker") for path in incomplete]
+    first_error(_set_aside_all, damaged, warn, f"starting afresh (checkpoint.resume={FRESH_IF_DAMAGED})")
+    return None
 
 
 def _check_resume_path(spec: str) -> None:
     if not os.path.isdir(spec):
         raise UserError(f"checkpoint.resume: no such checkpoint directory: {spec}")
-    if not os.path.isfile(os.path.join(spec, MARKER)):
-        raise UserError(f"checkpoint.resume: {spec} is not a complete checkpoint (no {MARKER} marker)")
 
 
-def resolve_resume(spec: Optional[str], run_dir: RunDir, warn: Any = None) -> Optional[str]:
+def resolve_resume(spec: Optional[str], run_dir: RunDir, warn: Any = None, *, verify: bool = True) -> Optional[str]:
     """Collective: the checkpoint to resume from: None (fresh), ``auto`` (the newest one that verifies, or None),
-    or a path; the same answer (or UserError) on every rank.
+    ``fresh_if_damaged`` or a path; the same answer (or UserError) on every rank.
 
     Under ``auto`` complete checkpoints that a crash left under a ``.tmp-`` name are restored first
-    (:func:`restore_interrupted`); a newest checkpoint that fails verification is set aside with a one-line
-    ``warn`` (rank 0) and the previous one is tried; an explicit path that fails verification is a UserError
-    naming the damaged file. Each rank verifies its share of the bytes; rank 0 alone lists and renames.
+    (:func:`restore_interrupted`) and ``step_<N>`` directories without a marker are named in a warning; newer
+    checkpoints that fail verification are set aside with a one-line ``warn`` (rank 0) each once an older one
+    verifies. When none verifies (every checkpoint damaged or incomplete) ``auto`` stops with one line instead of
+    starting afresh, and ``fresh_if_damaged`` sets the damaged and incomplete ones aside and starts afresh. An explicit path that
+    fails verification is a UserError naming the damaged file. Each rank verifies its share of the bytes
+    (:func:`~leangrpo_mcore.engine.checkpoint.verify.verify_before_reading`); rank 0 alone lists and renames.
+    ``verify`` False (``checkpoint.verify: false``) skips the verification, with a warning.
     """
     if spec is None:
         return None
-    if spec == "auto":
-        restore_interrupted(run_dir, warn)
-        for path in first_error(_newest_first, run_dir):
-            problem = manifest.verify_on_ranks(path)
-            if problem is None:
-                return path
-            first_error(_set_aside_damaged, path, problem, warn)
-        return None
+    if spec in AUTO:
+        return _resolve_auto(spec, run_dir, warn, verify)
     first_error(_check_resume_path, spec)
-    problem = manifest.verify_on_ranks(spec)
-    if problem is not None:
-        raise UserError(f"checkpoint.resume: {spec} fails verification: {problem}")
+    verify_before_reading(spec, "checkpoint.resume", enabled=verify, required=True)
     return spec
 
 

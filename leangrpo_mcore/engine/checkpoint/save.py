@@ -185,20 +185,21 @@ class CheckpointWriter:
             self.finish()
         return self.run_dir.checkpoint_path(step)
 
-    def poll(self) -> None:
-        """Collective: report a background write once it is done on every rank (a failed one stops the run with
-        its one line at the first step after it failed); nothing while it runs."""
+    @property
+    def running(self) -> bool:
+        """Whether this rank's background write is still running (what the ranks agree on before :meth:`poll`)."""
         pending = self.pending
-        if pending is None or pending.future is None:
+        return pending is not None and pending.future is not None and not pending.future.done()
+
+    def poll(self, running_anywhere: bool) -> None:
+        """Report a background write once ``running_anywhere`` (:attr:`running` of every rank, agreed in the
+        step's one control collective) says it is done on every rank: its path, or its one-line error, which stops
+        the run at the first step after it failed; nothing while it runs."""
+        pending = self.pending
+        if pending is None or pending.future is None or running_anywhere:
             return
-        try:
-            path = pending.poll()
-        except UserError:
-            self.pending = None
-            raise
-        if path is not None:
-            self.pending = None
-            self._published(path)
+        self.pending = None
+        self._published(pending.finish())
 
     def finish(self) -> None:
         """Wait for the checkpoint being written (publishing a synchronous one), then prune."""
