@@ -37,8 +37,8 @@ setup(
     # upper bound guards the private torch.distributed.tensor._utils import. megatron-core 0.17+ needs
     # Python >= 3.12 and is not tested yet.
     install_requires=[
-        "torch>=2.8,<2.14",
-        "megatron-core>=0.16.1,<0.17",
+        "torch>=2.8,<2.15",
+        "megatron-core>=0.16.1,<0.20",
         "diffusers>=0.35.2,<0.43",
         "safetensors",
         "pyyaml",

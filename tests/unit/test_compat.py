@@ -1,0 +1,136 @@
+"""What differs between the supported stacks (leangrpo_mcore/compat.py): one test per version-dependent name, the
+dependencies' noise filtered message by message (and nothing else), and FSDP2 units that hand out no views."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from leangrpo_mcore import compat
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_version_tuple_reads_the_release():
+    assert compat.version_tuple("2.14.1+cu130") == (2, 14, 1)
+    assert compat.version_tuple("0.19.0rc1") == (0, 19, 0)
+    assert compat.version_tuple("0.16.1") == (0, 16, 1)
+    assert compat.installed("megatron-core") >= (0, 16, 1)
+    assert compat.installed("no-such-distribution-here") is None
+
+
+def test_multimodule_members_follow_the_release():
+    """0.17 added MultiModuleProcessGroupCollection; its members are what the schedules read on its branch only."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    members = compat.multimodule_group_members()
+    if compat.installed("megatron-core") < compat.MULTIMODULE_PIPELINES:
+        assert members == frozenset()
+        return
+    assert {"has_language_model", "get_language_model_cp_size", "language_model_module_name"} <= members
+    assert not members & set(dir(ProcessGroupCollection))
+    source = Path(schedules.__file__).read_text(encoding="utf-8")
+    read = set(re.findall(r"pg_collection\.(\w+)\b(?!\s*=[^=])", source))
+    assert read & members, "the schedules no longer read the multi-module members: the exemption is stale"
+
+
+def _source_text(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, f"{module} is not installed"
+    return Path(spec.origin).read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("noise", compat.NOISE, ids=[n.message[:40] for n in compat.NOISE])
+def test_each_filtered_message_is_still_said_by_its_module(noise):
+    """A filter whose message its module no longer says would hide nothing (or, reworded, something else)."""
+    text = _source_text(noise.source)
+    assert re.search(noise.message, text), f"{noise.source} no longer says {noise.message!r}"
+    assert noise.printed_by and noise.why
+
+
+def test_filters_are_narrowed_to_their_module():
+    compat.quiet_dependency_noise()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compat.quiet_dependency_noise()
+        # the same message, attributed to a module outside the filter's, is shown
+        warnings.warn_explicit("full scope is deprecated. elsewhere", UserWarning, "mine.py", 1, module="mine")
+        warnings.warn_explicit("full scope is deprecated. there", UserWarning, "transformer_config.py", 1,
+                               module="megatron.core.transformer.transformer_config")
+        warnings.warn_explicit("full scope is deprecated. there", UserWarning, "x.py", 1,
+                               module="megatron.core.transformer.transformer_config_extra")
+    assert [str(w.message) for w in caught] == ["full scope is deprecated. elsewhere",
+                                                "full scope is deprecated. there"]
+
+
+_TRIGGER = """
+import torch, megatron.core
+from megatron.core.transformer import TransformerConfig
+from megatron.core.pipeline_parallel import schedules
+import megatron.core.models.backends, megatron.core.optimizer
+import torch.utils.cpp_extension
+TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+"""
+
+
+def _stderr(code: str) -> str:
+    done = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+@pytest.mark.slow
+def test_the_stack_prints_its_noise_and_the_package_hides_exactly_that():
+    """With every warning shown (-W default), megatron's import and first use print the listed messages; after
+    ``import leangrpo_mcore`` the same code prints nothing."""
+    bare = _stderr(_TRIGGER)
+    for message in ("The following imports from `dynamic_context.py`", "full scope is deprecated",
+                    "Apex is not installed. Falling back to Torch Norm"):
+        assert message in bare, message
+    assert _stderr("import leangrpo_mcore\n" + _TRIGGER) == ""
+
+
+def test_fsdp_units_hand_out_no_views():
+    """A policy's last linear returns a view; under FSDP2 its output is a copy (torch warns about every view an
+    FSDP2 unit returns, whose in-place change would skip the backward gather), with the same numbers."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from leangrpo_mcore.models import build_policy
+    from leangrpo_mcore.parallel.fsdp import apply_fsdp
+    from leangrpo_mcore.parallel.mesh import Layout, build_parallel_context, destroy_parallel_context
+    from tests.unit.test_flux_model import TINY, flux_inputs
+
+    inputs = flux_inputs(4, 4, 5, batch=1)
+    plain = build_policy({"family": "flux", **TINY}, seed=3)
+    expected = plain(**inputs)
+    assert expected._base is not None  # the cause: a 3-D linear's output is a view of its 2-D GEMM
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = apply_fsdp(build_policy({"family": "flux", **TINY}, seed=3), build_parallel_context(Layout()),
+                             cast_only=True)  # FSDP2 over a one-rank mesh, as a one-process run casting
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = sharded(**inputs)
+        assert not [w for w in caught if "view" in str(w.message)], [str(w.message) for w in caught]
+        assert out._base is None and torch.equal(out, expected)
+        # the unhooked control: the same root without the copy warns
+        bare = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        fully_shard(bare, mesh=init_device_mesh("cpu", (1,)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            bare(torch.randn(2, 3, 4, requires_grad=True))
+        assert [w for w in caught if "returned a view tensor" in str(w.message)]
+    finally:
+        destroy_parallel_context()
+        dist.destroy_process_group()
