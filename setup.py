@@ -52,7 +52,10 @@ setup(
         "httpcore>=1.0,<2",  # its transport, used directly for per-request deadlines
     ],
     extras_require={
-        "te": ["transformer-engine[pytorch]"],
+        # Transformer Engine: the range each stack's megatron-core accepts (0.16.1 declares >=2.9,<2.12; 0.17-0.19
+        # declare none, and the current-scaling FP8 recipes need >=2.3). Not installable without CUDA: untested in CI.
+        "te": ["transformer-engine[pytorch]>=2.9,<2.12; python_version < '3.12'",
+               "transformer-engine[pytorch]>=2.9,<3; python_version >= '3.12'"],
         "ocr": ["rapidocr>=3.10,<4", "onnxruntime"],
         "text": ["transformers"],
         "rewards": ["transformers"],  # PickScore, CLIPScore, the aesthetic predictor and HPSv2.1 (CLIPModel)

@@ -3,6 +3,7 @@ dependencies' noise filtered message by message (and nothing else), and FSDP2 un
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import subprocess
@@ -134,3 +135,43 @@ def test_fsdp_units_hand_out_no_views():
     finally:
         destroy_parallel_context()
         dist.destroy_process_group()
+
+
+def _te_extra() -> list[str]:
+    import ast
+
+    setup = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    extras = next(ast.literal_eval(kw.value) for node in ast.walk(setup) if isinstance(node, ast.Call)
+                  for kw in node.keywords if kw.arg == "extras_require")
+    return extras["te"]
+
+
+def test_every_fp8_recipe_the_config_accepts_exists_in_the_declared_te_range():
+    """Each recipe name is megatron's, megatron builds it from the TE class our table names once TE reaches the
+    release our table gives (read from the installed megatron-core's fp8_utils), and that release is inside every
+    range of the ``te`` extra."""
+    from megatron.core import fp8_utils
+    from megatron.core.enums import Fp8Recipe
+
+    from leangrpo_mcore.config.schema import ModelConfig
+    from leangrpo_mcore.models.common.fp8 import FP8_RECIPES, TE_RECIPES
+
+    choices = next(f for f in dataclasses.fields(ModelConfig) if f.name == "fp8").metadata["choices"]
+    assert set(choices) == set(FP8_RECIPES)
+    source = Path(fp8_utils.__file__).read_text(encoding="utf-8")
+    outer = re.search(r'if is_te_min_version\("([\d.]+)"\):\s*\n\s*if config\.fp8_recipe == Fp8Recipe\.delayed',
+                      source)
+    assert outer, "megatron's FP8 recipe selection changed shape"
+    for name, (te_class, first) in TE_RECIPES.items():
+        assert Fp8Recipe(name).value == name
+        branch = re.search(rf'Fp8Recipe\.{name}(?: and is_te_min_version\("([\d.]+)[\w.]*"\))?:\s*\n\s*'
+                           rf'fp8_recipe = transformer_engine\.common\.recipe\.(\w+)\(', source)
+        assert branch, f"megatron no longer builds the {name} recipe"
+        gate = compat.version_tuple((branch.group(1) or outer.group(1)).strip("."))
+        while gate[-1:] == (0,):
+            gate = gate[:-1]
+        assert branch.group(2) == te_class and gate == first, (name, branch.groups(), outer.group(1))
+    lowest = max(first for _, first in TE_RECIPES.values())
+    for requirement in _te_extra():
+        minimum = re.search(r">=([\d.]+)", requirement)
+        assert minimum and compat.version_tuple(minimum.group(1)) >= lowest, requirement
