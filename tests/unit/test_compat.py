@@ -175,3 +175,44 @@ def test_every_fp8_recipe_the_config_accepts_exists_in_the_declared_te_range():
     for requirement in _te_extra():
         minimum = re.search(r">=([\d.]+)", requirement)
         assert minimum and compat.version_tuple(minimum.group(1)) >= lowest, requirement
+
+
+def _install_requires() -> dict[str, str]:
+    import ast
+
+    setup = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    requires = next(ast.literal_eval(kw.value) for node in ast.walk(setup) if isinstance(node, ast.Call)
+                    for kw in node.keywords if kw.arg == "install_requires")
+    names = [re.match(r"[\w-]+", r).group() for r in requires]
+    return {name: r[len(name):] for name, r in zip(names, requires)}
+
+
+def _release_text(release: tuple[int, ...]) -> str:
+    return ".".join(str(n) for n in release)
+
+
+def test_setup_ranges_are_the_tested_stacks():
+    """setup.py admits torch and megatron-core from the lowest release CI tests (the Quickstart's pins) up to, not
+    including, the minor release after the highest (.ci/current-stack.txt's pins); the README's table says the
+    same, and the running stack is inside."""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    quickstart = readme.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    table = readme.split("## Supported versions", 1)[1].split("\n## ", 1)[0]
+    current = dict(line.strip().split("==") for line in (ROOT / ".ci" / "current-stack.txt").read_text().splitlines()
+                   if "==" in line and not line.startswith("#"))
+    lowest = {"torch": re.search(r"torch==([\d.]+)", quickstart).group(1), "megatron-core": "0.16.1"}
+    requires = _install_requires()
+    for name in ("torch", "megatron-core"):
+        spec = SpecifierSet(requires[name])
+        bounds = {s.operator: compat.version_tuple(s.version) for s in spec}
+        assert set(bounds) == {">=", "<"}, requires[name]
+        low, high = compat.version_tuple(lowest[name]), compat.version_tuple(current[name])
+        assert bounds[">="] + (0,) * (3 - len(bounds[">="])) == low, (name, requires[name], lowest[name])
+        assert bounds["<"][:2] == (high[0], high[1] + 1), (name, requires[name], current[name])
+        row = f"| {name} | >= {_release_text(bounds['>='])}, < {_release_text(bounds['<'])} "
+        assert row in table, row
+        assert spec.contains(metadata.version(name).split("+")[0]), (name, metadata.version(name))
