@@ -31,6 +31,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: an end-to-end run of more than a few seconds (every distributed test is "
                                        "slow too: `pytest -m 'not slow'` is the quick tier)")
     config.addinivalue_line("markers", "stack: also run on the current stack by .ci/run (tests/conftest.py STACK)")
+    # The dependencies' noise the package filters at import (leangrpo_mcore.compat.NOISE), as pytest filters too:
+    # pytest resets the warning filters around every test and every collection.
+    from leangrpo_mcore.compat import NOISE
+
+    for noise in NOISE:
+        if noise.category is not None:
+            config.addinivalue_line("filterwarnings",
+                                    f"ignore:{noise.message}:{noise.category.__name__}:{noise.module}\\Z")
 
 
 def pytest_collection_modifyitems(config, items):
