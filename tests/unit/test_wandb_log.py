@@ -12,6 +12,7 @@ import json
 import os
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,21 +52,34 @@ def _chunks(path: str):
             yield pending + chunk
 
 
-def _history(run_file: str) -> tuple[str, list[dict]]:
-    """The run id and the history rows ({key: value}) of an offline run's .wandb file."""
+def _history(run_file: str, wait_s: float = 60.0) -> tuple[str, list[dict]]:
+    """The run id and the history rows ({key: value}) of an offline run's .wandb file, once it is complete.
+
+    ``run.finish()`` may return before wandb's writer process has flushed the last records (a loaded machine shows
+    it): the file is read again until it holds the run's closing ``exit`` record."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
-    run_id, rows = None, []
-    for chunk in _chunks(run_file):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(chunk)
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            run_id = record.run.run_id
-        elif kind == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-    return run_id, rows
+    deadline = time.monotonic() + wait_s
+    while True:
+        run_id, rows, finished = None, [], False
+        for chunk in _chunks(run_file):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(chunk)
+            except DecodeError:  # a record still being written
+                break
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run_id = record.run.run_id
+            elif kind == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+            finished |= kind == "exit"
+        if finished or time.monotonic() > deadline:
+            assert finished, f"{run_file} holds no exit record after {wait_s} s"
+            return run_id, rows
+        time.sleep(0.1)
 
 
 @pytest.fixture
