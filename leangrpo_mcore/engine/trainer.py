@@ -40,9 +40,10 @@ from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_
 from leangrpo_mcore.engine.metrics import MetricsLogger, ProgressBar, reward_stats
 from leangrpo_mcore.engine.preemption import (PreemptionFlag, exit_code, set_aside_interrupted, signal_name,
                                               write_marker)
+from leangrpo_mcore.engine.references import StepReferences
 from leangrpo_mcore.engine.run_lock import lock_run_dir
 from leangrpo_mcore.engine.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
-from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
+from leangrpo_mcore.engine.samples import beside_sources, save_grid, to_uint8, video_to_uint8
 from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, reward_input, write_eval_grid
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.throughput import step_throughput
@@ -108,8 +109,9 @@ class RewardBridge:
     """The step engine's ``reward_fn``: decode latents, score them, keep sample images, capture reward errors.
 
     The reward sees the decoded images, or a video policy's videos, of which it scores the frames that
-    ``reward.options.frames`` names (the first by default). A captured sample keeps its image as
-    uint8 and, for a video policy (``sampler.frames > 1``), its whole video as uint8 too.
+    ``reward.options.frames`` names (the first by default), and a reward that declares ``reference_images`` each
+    sample's conditioning image (``data.images``). A captured sample keeps its image as uint8, for a video policy
+    (``sampler.frames > 1``) its whole video as uint8 too, and its conditioning image as uint8.
 
     :meth:`submit` does the same in the background (``reward.async_scoring``): one worker thread decodes the
     batches in submission order and hands each to the reward's ``submit``, so that a remote reward's requests
@@ -136,18 +138,21 @@ class RewardBridge:
         self._executor: Optional[ThreadPoolExecutor] = None
         self.begin_step(False)
 
-    def begin_step(self, capture: bool) -> None:
-        """Reset the per-step state; ``capture`` keeps this step's images for a sample grid."""
+    def begin_step(self, capture: bool, sources: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """Reset the per-step state; ``capture`` keeps this step's images for a sample grid; ``sources`` maps the
+        prompt id of each sample this rank scores to its conditioning image (3, H, W) in [0, 1] (``data.images``)."""
         with self._lock:
             self.error, self.capture = None, capture
             self._error_at: Optional[int] = None
             self._samples: dict[int, list] = {}
             self._calls = 0
+            self._sources = sources
 
     @property
     def samples(self) -> list[tuple]:
-        """(image, prompt, reward, prompt id, video) of this step's captured generations, in call order: the
-        image (H, W, 3) uint8, the video (F, H, W, 3) uint8 or None (image policies)."""
+        """(image, prompt, reward, prompt id, video, source) of this step's captured generations, in call order:
+        the image (H, W, 3) uint8, the video (F, H, W, 3) uint8 or None (image policies), the conditioning image
+        (H, W, 3) uint8 or None."""
         with self._lock:
             return [item for index in sorted(self._samples) for item in self._samples[index]]
 
@@ -166,12 +171,18 @@ class RewardBridge:
         size = {"height": self.height, "width": self.width} if self.family == "flux" else {}
         return self.data.decoder.decode(final_latents, **size)
 
+    def _references(self, ids: list[int]) -> Optional[torch.Tensor]:
+        """(B, 3, H, W) conditioning images of the samples of prompts ``ids``, or None without them."""
+        return None if self._sources is None else torch.stack([self._sources[i] for i in ids])
+
     def _keep(self, index: int, decoded: DecodedImages, prompts: list, rewards: torch.Tensor,
-              prompt_ids: torch.Tensor) -> None:
+              prompt_ids: torch.Tensor, references: Optional[torch.Tensor]) -> None:
         if self.capture:
             videos = ([None] * len(prompts) if not self.keep_video or decoded.video is None
                       else list(video_to_uint8(decoded.video)))
-            items = list(zip(to_uint8(decoded.images), prompts, rewards.tolist(), prompt_ids.tolist(), videos))
+            sources = [None] * len(prompts) if references is None else list(to_uint8(references))
+            items = list(zip(to_uint8(decoded.images), prompts, rewards.tolist(), prompt_ids.tolist(), videos,
+                             sources))
             with self._lock:
                 self._samples[index] = items
 
@@ -179,12 +190,15 @@ class RewardBridge:
         """What a failed batch returns: zeros shaped as its rewards."""
         return torch.zeros(batch, len(self.weighted.weights)) if self.weighted is not None else torch.zeros(batch)
 
-    def _components(self, images: torch.Tensor, prompts: list, metadata: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _components(self, images: torch.Tensor, prompts: list, metadata: list,
+                    references: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The weighted reward's (B, K) components and their weighted sum (B,); videos are scored on the frames that
         ``reward.options.frames`` names, averaged per video, as the reward's own call scores them."""
         flat, flat_prompts, k = flatten_videos(images, prompts, self.data.reward.frames)
+        if references is not None and k > 1:
+            references = references.repeat_interleave(k, dim=0)
         components, total = self.weighted.scored_components(flat, flat_prompts,
-                                                            [row for row in metadata for _ in range(k)])
+                                                            [row for row in metadata for _ in range(k)], references)
         batch = images.shape[0]
         return components.view(batch, k, -1).mean(dim=1), total.view(batch, k).mean(dim=1)
 
@@ -210,14 +224,15 @@ class RewardBridge:
         if self.error is not None:
             return self._zeros(len(prompts))
         decoded = self._decode(final_latents)
-        images = reward_input(decoded)
+        images, references = reward_input(decoded), self._references(ids)
         try:
-            rewards, shown = self._split(self._components(images, prompts, metadata) if self.weighted is not None
-                                         else self.data.reward(images, prompts, metadata))
+            rewards, shown = self._split(self._components(images, prompts, metadata, references)
+                                         if self.weighted is not None
+                                         else self.data.reward(images, prompts, metadata, references))
         except RewardError as err:
             self._failed(index, str(err))
             return self._zeros(len(prompts))
-        self._keep(index, decoded, prompts, shown, prompt_ids)
+        self._keep(index, decoded, prompts, shown, prompt_ids, references)
         return rewards
 
     def submit(self, final_latents: torch.Tensor, prompt_ids: torch.Tensor) -> "Future[torch.Tensor]":
@@ -228,6 +243,7 @@ class RewardBridge:
         """
         ids = [int(i) for i in prompt_ids.tolist()]
         prompts, metadata = self.data.dataset.get(ids), self.data.dataset.metadata(ids)
+        references = self._references(ids)
         index = self._next_call()
         outer: Future = Future()
         if self.error is not None:
@@ -250,7 +266,7 @@ class RewardBridge:
                 outer.set_exception(exc)
                 return
             try:
-                self._keep(index, decoded, prompts, shown, prompt_ids)
+                self._keep(index, decoded, prompts, shown, prompt_ids, references)
             except BaseException as exc:  # noqa: BLE001
                 outer.set_exception(exc)
                 return
@@ -265,13 +281,13 @@ class RewardBridge:
                     images = reward_input(decoded)
                     submit = None if self.weighted is not None else getattr(self.data.reward, "submit", None)
                     if callable(submit):
-                        scoring = submit(images, prompts, metadata)
+                        scoring = submit(images, prompts, metadata, references)
                     elif self.weighted is not None:  # the components, each validated, scored here
                         scoring = Future()
-                        scoring.set_result(self._components(images, prompts, metadata))
+                        scoring.set_result(self._components(images, prompts, metadata, references))
                     else:  # a bare reward callable: score it here, on the decoding thread
                         scoring = Future()
-                        scoring.set_result(self.data.reward(images, prompts, metadata))
+                        scoring.set_result(self.data.reward(images, prompts, metadata, references))
             except RewardError as err:
                 scoring = Future()
                 scoring.set_exception(err)
@@ -333,6 +349,8 @@ class Trainer:
         self.parts = build.build_policy_parts(config, self.pctx, self.precision, source=self.source)
         self.bridge = RewardBridge(self.data, config)
         self.engine = build.build_engine(config, self.schedule, self.parts, self.pctx, self.bridge)
+        self.references = None if self.data.images is None else StepReferences(
+            self.data.images, self.data.decoder, self.family.name, [s.prompt_slot for s in self.engine.shares])
         if self.schedule == "reweight":
             plan = self.engine.plan.reweight_plan()
             logger.info("Reweight accumulates %s provisional gradients (in %s)%s%s", plan.accumulate,
@@ -528,7 +546,11 @@ class Trainer:
         prompt_ids = self.data.sampler.next_indices()
         start = time.perf_counter()
         conditioning = self.data.text_encoder.encode(self.data.dataset.get(prompt_ids))
-        self.bridge.begin_step(capture=self._sample_due(step))
+        sources = None
+        if self.references is not None:
+            self._phase("conditioning images", step)
+            conditioning, sources = self.references.attach(conditioning, prompt_ids)
+        self.bridge.begin_step(capture=self._sample_due(step), sources=sources)
         skipped_before = self.guard.skipped
         lr = float(self.parts.optimizer.param_groups[0]["lr"])
         self._phase("rollout and update")
@@ -588,7 +610,8 @@ class Trainer:
         return row
 
     def _write_samples(self, step: int) -> None:
-        """samples/step_<N>.png (first frames) and, for a video policy, samples/step_<N>.mp4 (rank 0)."""
+        """samples/step_<N>.png (first frames) and, for a video policy, samples/step_<N>.mp4 (rank 0); each tile
+        [source | result] in an image-conditioned run."""
         # The grid shows the first SAMPLE_GRID_MAX in this order: no rank needs to send more than that.
         local = sorted(self.bridge.samples, key=_sample_order)[:SAMPLE_GRID_MAX]
         gathered = [local]
@@ -601,13 +624,16 @@ class Trainer:
         if not items:
             return
         prompts, rewards = [it[1] for it in items], [it[2] for it in items]
-        images = torch.stack([torch.from_numpy(it[0]).permute(2, 0, 1) for it in items]).float() / 255.0
+        sources = np.stack([it[5] for it in items]) if all(it[5] is not None for it in items) else None
+        paired = (lambda tiles: tiles) if sources is None else (lambda tiles: beside_sources(tiles, sources))
+        frames = paired(np.stack([it[0] for it in items]))
+        images = torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 255.0
         with self._recording():
             grid = save_grid(self.run_dir.sample_path(step), images, prompts, rewards)
             self.metrics.add_image("samples", np.asarray(grid), step)
             if all(it[4] is not None for it in items):
                 path, fps = self.run_dir.video_path(step), self.config.logging.video_fps
-                write_video_grid(path, np.stack([it[4] for it in items]), prompts, rewards, fps=fps)
+                write_video_grid(path, paired(np.stack([it[4] for it in items])), prompts, rewards, fps=fps)
                 self.metrics.add_video("samples_video", path, step, fps)
 
     def _evaluate(self, step: int) -> None:

@@ -99,6 +99,7 @@ REWARD_MODELS: dict[str, ClipSpec] = {
     "pickscore": VIT_H_14,  # PickScore_v1: a fine-tuned CLIP-ViT-H-14-laion2B
     "hpsv2": VIT_H_14,  # HPSv2.1: an open_clip ViT-H-14 state dict, loaded into the same CLIPModel
     "clip_score": VIT_L_14,  # openai/clip-vit-large-patch14
+    "clip_consistency": VIT_L_14,  # the same CLIP by default (the image tower scores, the whole model is loaded)
     "aesthetic": AESTHETIC,  # LAION's improved aesthetic predictor on the CLIP ViT-L/14 image embedding
 }
 """The built-in learned rewards' models, by reward name."""
