@@ -190,7 +190,8 @@ class ModelConfig:
     master_dtype: Optional[str] = option(None, choices=("float32", "bfloat16"))
     """dtype of the master weights (the FSDP2 shards) and of the optimizer state; null = float32."""
     fp8: Optional[str] = option(None, choices=("tensorwise", "mxfp8", "blockwise"))
-    """FP8 recipe for TE layers (null = off); needs the te backend."""
+    """FP8 recipe for TE layers (null = off); needs the te backend: current scaling per tensor (tensorwise), per
+    1x128 / 128x128 block (blockwise) or MXFP8 blocks of 32 (mxfp8), all in Transformer Engine 2.9 and later."""
     activation_checkpointing: bool | Literal["auto"] = False
     """Recompute each block's activations in backward. auto: the layout planner decides at launch, with the
     data-parallel degrees (docs/planning.md, "Auto layout"): on only when nothing fits without it."""

@@ -4,10 +4,12 @@ megatron-core's documented surface (``get_forward_backward_func``, the ``ModelPa
 ``config.no_sync_func`` / ``grad_sync_func`` / ``finalize_model_grads_func`` hooks, ``parallel_state``) is
 used as documented; what follows is what the project assumes beyond it: how the schedules read their config,
 process groups and model, the module-global ``torch`` the CPU bridge replaces, the point-to-point module's
-call shapes, and the parameter attributes of its tensor-parallel layers. Beside them the two torch internals
-of the gradient path: the autograd engine's final callbacks (gradient routing) and FSDP2's per-parameter state
-(the local gradient slot). ``setup.py`` pins ``megatron-core<0.17``; an upgrade that changes any of these fails
-``tests/unit/test_mcore_internals.py``, which runs every :data:`INTERNALS` check, instead of a training run.
+call shapes, and the parameter attributes of its tensor-parallel layers. Beside them the torch internals: the
+autograd engine's final callbacks (gradient routing), FSDP2's per-parameter state (the local gradient slot), a
+process group's timeout and DTensor's shard offsets (checkpoint boxes). Every check holds on each megatron-core
+release ``setup.py`` admits (0.16.1 to 0.19); what differs between those releases is answered by
+:mod:`leangrpo_mcore.compat`. An upgrade that changes any of these fails ``tests/unit/test_mcore_internals.py``,
+which runs every :data:`INTERNALS` check, instead of a training run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import inspect
 import re
 from dataclasses import dataclass
 from typing import Callable
+
+from leangrpo_mcore.compat import multimodule_group_members
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,16 @@ def _check_timer_names() -> None:
 
 def _check_process_groups() -> None:
     # _process_groups fills only these ProcessGroupCollection attributes, and its cp is a _GroupSize: the
-    # schedules may ask the CP group for its size() and nothing else
+    # schedules may ask the CP group for its size() and nothing else. Assignments (the schedules' own default
+    # collection) are not reads; since 0.17 the schedules also read the multi-module collection's own members,
+    # on the branch that a MultiModuleProcessGroupCollection takes and ours never does.
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     source = _source(_schedules())
-    read = set(re.findall(r"pg_collection\.(\w+)", source))
+    read = set(re.findall(r"pg_collection\.(\w+)\b(?!\s*=[^=])", source))
+    multimodule = multimodule_group_members()
+    assert not multimodule & set(dir(ProcessGroupCollection)), "the multi-module members are ProcessGroupCollection's"
+    read -= multimodule
     assert read <= {"tp", "cp", "embd", "pos_embd", "pp", "dp_cp"}, f"schedules read pg_collection.{sorted(read)}"
     used = set(re.findall(r"pg_collection\.cp\.(\w+)", source)) | set(re.findall(r"\bcp_group\.(\w+)", source))
     assert used <= {"size"}, f"the schedules call {sorted(used)} on the CP group (_GroupSize answers size())"
@@ -221,6 +232,28 @@ def _check_group_timeout() -> None:
     assert "pg_options._timeout" in _source(device_mesh), "init_device_mesh no longer takes the options' timeout"
 
 
+def _check_dtensor_offsets() -> None:
+    # block_tensor reads an FSDP2 DTensor's global offsets as compute_local_shape_and_global_offset(shape, mesh,
+    # placements) -> (local shape, global offsets)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    params = list(inspect.signature(compute_local_shape_and_global_offset).parameters)
+    assert params[:3] == ["global_shape", "mesh", "placements"], f"compute_local_shape_and_global_offset{params}"
+
+
+def _check_fake_world() -> None:
+    # the step simulator runs one rank of a world under a fake process group (FakeStore, backend "fake") and
+    # FakeTensorMode(allow_non_fake_inputs=...); megatron builds its groups there without gloo side groups
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert callable(FakeStore) and "fake" in dist.Backend.backend_list, "torch lost its fake process group"
+    _has_parameters(FakeTensorMode.__init__, ("allow_non_fake_inputs",))
+    _has_parameters(parallel_state.initialize_model_parallel, ("create_gloo_process_groups",))
+
+
 INTERNALS: tuple[Internal, ...] = (
     Internal("schedules.get_forward_backward_func and its schedules' keyword arguments", "parallel/pipeline.py",
              _check_scheduler_calls),
@@ -245,5 +278,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("torch: FSDP2's per-parameter gradient state", "parallel/grad_sync.py", _check_fsdp_param_state),
     Internal("torch: a process group's timeout in its backend's options", "parallel/mesh.py",
              _check_group_timeout),
+    Internal("torch: DTensor's compute_local_shape_and_global_offset", "models/common/dcp_blocks.py",
+             _check_dtensor_offsets),
+    Internal("torch: the fake process group and FakeTensorMode; megatron's groups without gloo",
+             "planner/simulate.py, planner/sim_mode.py", _check_fake_world),
 )
 """Every internal the project leans on (module doc)."""

@@ -45,6 +45,12 @@ NOT_RUN = {
     'pip install -q -e ".[test,ocr,wandb]"': (SETUP, "installs the package with the test extras"),
     "python -m pytest -q -n 2 --dist loadgroup": (SETUP, "the whole suite, of which this test is part (.ci/run)"),
     'python -m pytest -q -m "not slow" -n 2': (SETUP, "the quick tier, of which this test is part"),
+    # the current stack's environment (docs/testing.md), which .ci/run makes and tests
+    "python3.12 -m venv .venv-current": (SETUP, "creates the current stack's environment (.ci/run)"),
+    ". .venv-current/bin/activate": (SETUP, "activates that environment"),
+    "pip install -q -r .ci/current-stack.txt": (SETUP, "installs torch's CUDA build and megatron-core 0.19.2"),
+    'pip install -q -c .ci/current-stack.txt -e ".[test,ocr,wandb]"': (SETUP, "installs the package there"),
+    "python -m pytest -q -m stack -n 2 --dist loadgroup": (SETUP, "the current stack's tests (.ci/run)"),
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": (
         GPU, "the CUDA build of torch, for a GPU machine"),
     'pip install -e ".[te,rewards,video,wandb]"': (GPU, "Transformer Engine builds only against CUDA"),

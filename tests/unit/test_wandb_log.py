@@ -68,11 +68,13 @@ def _finished(run_file: str, timeout_s: float = 300.0) -> list:
     """The records of ``run_file`` once wandb has written the run's ``exit`` record, its last: wandb's service
     process writes the file after ``finish()`` returns, later on a loaded machine. Waits for that record (not for a
     fixed time), failing after ``timeout_s``."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             records = _records(run_file)
-        except (OSError, AssertionError):  # not created yet, or its header not written yet
+        except (OSError, AssertionError, DecodeError):  # not created yet, its header or a record not written yet
             records = []
         if any(record.WhichOneof("record_type") == "exit" for record in records):
             return records
