@@ -273,8 +273,8 @@ def _load_average() -> Optional[list[float]]:
 
 
 def _tokens(family: str, latent_shape: tuple[int, ...], policy: torch.nn.Module) -> int:
-    """Image tokens the policy attends over: FLUX packed tokens, SD3 and Wan latent patches."""
-    if family == "flux":
+    """Image tokens the policy attends over: FLUX and Qwen-Image packed tokens, SD3 and Wan latent patches."""
+    if family in ("flux", "qwen_image"):
         return int(latent_shape[0])
     if family == "sd3":
         patch = policy.config.patch_size

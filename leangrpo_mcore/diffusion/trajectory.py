@@ -53,6 +53,11 @@ class Conditioning:
     """(B,) distilled-guidance scale (FLUX-dev), or None."""
     negative_pooled_projections: torch.Tensor | None = None
     """(B, P) pooled embedding of the negative prompt (SD3's classifier-free guidance), or None."""
+    encoder_attention_mask: torch.Tensor | None = None
+    """(B, L) bool, True for the real tokens of ``encoder_hidden_states`` (Qwen-Image pads its prompts to the
+    longest), or None: every token is real."""
+    negative_encoder_attention_mask: torch.Tensor | None = None
+    """(B, L) bool, the same for ``negative_encoder_hidden_states``, or None."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -74,6 +79,13 @@ class Conditioning:
             value = getattr(self, name)
             if value is not None:
                 _check_batch(f"conditioning.{name}", value, ndim, batch)
+        for mask_name, tokens_name in (("encoder_attention_mask", "encoder_hidden_states"),
+                                       ("negative_encoder_attention_mask", "negative_encoder_hidden_states")):
+            mask, tokens = getattr(self, mask_name), getattr(self, tokens_name)
+            if mask is not None and (tokens is None or mask.dtype != torch.bool
+                                     or tuple(mask.shape) != tuple(tokens.shape[:2])):
+                raise ValueError(f"conditioning.{mask_name} must be a bool (B, L) mask of {tokens_name}, got "
+                                 f"{mask.dtype} of shape {tuple(mask.shape)}")
 
     def select(self, indices: Indices) -> Conditioning:
         """The conditioning of the samples at ``indices`` (in that order)."""
@@ -81,7 +93,7 @@ class Conditioning:
         return Conditioning(**{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
 
     def to(self, device: torch.device | str) -> Conditioning:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (dtypes kept: the masks stay bool)."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return Conditioning(**{k: None if v is None else v.to(device) for k, v in moved.items()})
 

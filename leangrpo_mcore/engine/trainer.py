@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from leangrpo_mcore.config import Config, config_to_yaml
 from leangrpo_mcore.config.drift import PROMPTS_CONTENT, config_changes, record_launch_config, refusal
-from leangrpo_mcore.data.vae import DecodedImages
+from leangrpo_mcore.data.vae import PACKED_FAMILIES, DecodedImages
 from leangrpo_mcore.engine import build, checkpoint
 from leangrpo_mcore.engine.launch import (DistContext, collective_device, first_error, get_logger, init_distributed,
                                           raise_if_any, shutdown)
@@ -163,7 +163,7 @@ class RewardBridge:
                 self.error, self._error_at = message, index
 
     def _decode(self, final_latents: torch.Tensor) -> DecodedImages:
-        size = {"height": self.height, "width": self.width} if self.family == "flux" else {}
+        size = {"height": self.height, "width": self.width} if self.family in PACKED_FAMILIES else {}
         return self.data.decoder.decode(final_latents, **size)
 
     def _keep(self, index: int, decoded: DecodedImages, prompts: list, rewards: torch.Tensor,
