@@ -125,12 +125,13 @@ class JointAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 context: torch.Tensor | None = None, shards: SequenceShards | None = None,
-                key_mask: torch.Tensor | None = None):
+                key_mask: torch.Tensor | None = None, text_output: bool = True):
         """Single: ``x`` (B, S, dim) -> (B, S, dim / tp). Joint: (x, context) -> (x_out, context_out).
 
         ``shards`` (context parallelism): the tokens here are this rank's piece of the joint sequence.
         ``key_mask`` (B, S_keys) bool, True = attend: which keys every query may see, in the order the kernel
-        sees them (:func:`~leangrpo_mcore.models.common.context_parallel.attend`).
+        sees them (:func:`~leangrpo_mcore.models.common.context_parallel.attend`). ``text_output=False``: the
+        caller reads no text output (context_out is None, ``to_add_out`` is not run).
         """
         q, k, v = self._qkv(x, self.to_qkv, self.norm_q, self.norm_k)
         if self.joint:
@@ -144,4 +145,4 @@ class JointAttention(torch.nn.Module):
         if not self.joint:
             return out
         text_len = context.shape[1]
-        return self.to_out[0](out[:, text_len:]), self.to_add_out(out[:, :text_len])
+        return self.to_out[0](out[:, text_len:]), self.to_add_out(out[:, :text_len]) if text_output else None

@@ -7,6 +7,10 @@ weights (``img_norm1``, ``img_norm2``, ``txt_norm1``, ``txt_norm2``) and tanh-GE
 ``txt_mlp``); one joint attention (per-head q/k RMSNorm, RoPE, the [text, image] sequence) updates both. The
 modulation linears are column-parallel with their output all-gathered, the attention and MLPs split heads and
 hidden units over TP (``common.mmdit``). Text tokens that are padding are never attended to (``key_mask``).
+
+The last block's text output feeds nothing (the output layer reads the image tokens): that block keeps
+diffusers' text MLP and text attention projection as parameters (checkpoints hold them) but does not run them
+(``text_output=False``), work diffusers computes and discards.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ class Modulation(torch.nn.ModuleList):
 
 
 class QwenImageBlock(torch.nn.Module):
-    """Dual-stream block: per-stream modulation, norms and MLPs around one joint attention."""
+    """Dual-stream block: per-stream modulation, norms and MLPs around one joint attention; ``text_output=False``
+    (the last block) returns the text stream as it came in, its update unread (module doc)."""
 
-    def __init__(self, config, *, backend) -> None:
+    def __init__(self, config, *, backend, text_output: bool = True) -> None:
         super().__init__()
         dim, hidden = config.hidden_size, config.ffn_hidden_size
+        self.text_output = text_output
         self.img_mod = Modulation(dim, backend=backend, config=config)
         self.img_norm1 = LayerNorm(dim, eps=NORM_EPS, elementwise_affine=False)
         self.attn = JointAttention(config, backend=backend, joint=True)
@@ -60,10 +66,12 @@ class QwenImageBlock(torch.nn.Module):
         c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.txt_mod(temb)
         attn_x, attn_c = self.attn(modulate(self.img_norm1(x), shift, scale), cos, sin,
                                    context=modulate(self.txt_norm1(context), c_shift, c_scale), shards=shards,
-                                   key_mask=key_mask)
+                                   key_mask=key_mask, text_output=self.text_output)
         x = x + gate[:, None] * attn_x
-        context = context + c_gate[:, None] * attn_c
         x = x + gate_mlp[:, None] * self.img_mlp(modulate(self.img_norm2(x), shift_mlp, scale_mlp))
+        if not self.text_output:
+            return x, context
+        context = context + c_gate[:, None] * attn_c
         context = context + c_gate_mlp[:, None] * self.txt_mlp(
             modulate(self.txt_norm2(context), c_shift_mlp, c_scale_mlp))
         return x, context

@@ -113,8 +113,9 @@ class QwenImageTransformer(PolicyMixin, torch.nn.Module):
             self.txt_norm = RMSNorm(config.joint_attention_dim, TEXT_NORM_EPS, dtype=config.params_dtype)
             self.img_in = provider.replicated_linear(config.in_channels, dim, config=config)
             self.txt_in = provider.replicated_linear(config.joint_attention_dim, dim, config=config)
-        self.transformer_blocks = StageBlocks((QwenImageBlock(config, backend=provider) for _ in stage.blocks),
-                                              first=stage.start)
+        last = config.num_layers - 1
+        self.transformer_blocks = StageBlocks(
+            (QwenImageBlock(config, backend=provider, text_output=i != last) for i in stage.blocks), first=stage.start)
         if stage.post_process:
             self.norm_out = AdaLayerNormContinuous(dim, backend=provider, config=config)
             out = config.patch_size * config.patch_size * config.output_channels
