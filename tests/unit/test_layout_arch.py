@@ -23,9 +23,10 @@ from leangrpo_mcore.planner.arch_specs import (
 # Parameter counts of diffusers' FluxTransformer2DModel / WanTransformer3DModel built on the meta device from the
 # published config.json files (diffusers 0.42.1), and the sizes the model names advertise.
 DIFFUSERS_COUNTS = {"flux-dev": 11_901_408_320, "wan2.1-1.3b": 1_418_996_800, "wan2.1-14b": 14_288_491_584,
-                    "wan2.2-ti2v-5b": 4_999_787_712, "sd3.5-medium": 2_243_171_520, "sd3.5-large": 8_056_627_520}
+                    "wan2.2-ti2v-5b": 4_999_787_712, "sd3.5-medium": 2_243_171_520, "sd3.5-large": 8_056_627_520,
+                    "qwen-image": 20_430_401_088}
 # (SD3.5-M's advertised 2.5B counts its 0.23B positional table, a buffer: not listed.)
-PUBLISHED = {"flux-dev": 12e9, "wan2.1-14b": 14e9, "wan2.2-ti2v-5b": 5e9, "sd3.5-large": 8.1e9}
+PUBLISHED = {"flux-dev": 12e9, "wan2.1-14b": 14e9, "wan2.2-ti2v-5b": 5e9, "sd3.5-large": 8.1e9, "qwen-image": 20e9}
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_PRESETS))
@@ -50,7 +51,8 @@ def tiny_policies():
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for family, preset in (("flux", "flux-tiny"), ("wan", "tiny"), ("sd3", "sd3-tiny")):
+        for family, preset in (("flux", "flux-tiny"), ("wan", "tiny"), ("sd3", "sd3-tiny"),
+                               ("qwen_image", "qwen-image-tiny")):
             fam = get_family(family)
             model = build_policy({"family": family, "preset": preset}, backend="local")
             full = sum(p.numel() for p in model.parameters())
@@ -62,7 +64,7 @@ def tiny_policies():
     return out
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan", "qwen_image"])
 def test_tiny_presets_match_built_policies_exactly(tiny_policies, family):
     fam, preset, full, split, lora = tiny_policies[family]
     arch = arch_from_config(family, fam.presets[preset])
@@ -83,7 +85,7 @@ def test_builtin_presets_agree_with_the_models_package(name):
     family = BUILTIN_PRESETS[name][0]
     ours, theirs = load_arch(name), arch_from_config(family, get_family(family).presets[name])
     assert param_counts(ours) == param_counts(theirs)
-    frames = 1 if family in ("flux", "sd3") else 81
+    frames = 1 if family in ("flux", "sd3", "qwen_image") else 81
     assert ours.tokens(704, 1280, frames) == theirs.tokens(704, 1280, frames)
 
 
