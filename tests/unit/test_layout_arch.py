@@ -136,13 +136,16 @@ def test_activation_fit_predicts_an_unseen_config(checkpointing, lora_rank, tp):
               {"image": 36, "text": 12}),
              ("wan", {"patch_size": [1, 2, 2], "num_attention_heads": 6, "attention_head_dim": 12, "in_channels": 4,
                       "out_channels": 4, "text_dim": 24, "freq_dim": 8, "ffn_dim": 80, "num_layers": 3,
-                      "rope_max_seq_len": 32}, {"image": 2 * 5 * 3, "text": 12})]
+                      "rope_max_seq_len": 32}, {"image": 2 * 5 * 3, "text": 12}),
+             ("qwen_image", {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 4,
+                             "attention_head_dim": 12, "num_attention_heads": 6, "joint_attention_dim": 48,
+                             "axes_dims_rope": [4, 4, 4]}, {"image": 36, "text": 12})]
     with warnings.catch_warnings(), tool.tp_world(tp):
         warnings.simplefilter("ignore")
         for family, config, counts in cases:
             model = tool.build_case(family, config, torch.float32, checkpointing, lora_rank)
-            if family == "flux":
-                run = tool._flux_sample(config, counts["image"], counts["text"], torch.float32)
+            if family in tool.IMAGE_GRIDS:
+                run = tool.IMAGE_GRIDS[family][1](config, counts["image"], counts["text"], torch.float32)
             else:
                 run = tool._wan_sample(config, (2, 10, 6), counts["text"], torch.float32)
             measured = tool.measure_saved_bytes(model, lambda: run(model))
