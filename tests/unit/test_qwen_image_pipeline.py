@@ -205,3 +205,23 @@ def test_qwen_image_vae_normalisation():
     normalised = ((mode - mean) / std)[:, :, 0]
     assert torch.allclose(latents, normalised.reshape(1, 16, 2, 2, 1, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, 2, 64),
                           atol=1e-5)
+
+
+def test_prompts_are_trimmed_to_the_longest_and_the_negative_to_the_same_length():
+    dims = TextDims(8, None, 16)
+    encoder = build_text_encoder(SimpleNamespace(text_encoder="hashed"), "qwen_image", dims, negative_prompt="")
+    cond = encoder(["a cat", "a red cat on a mat", "a cat"])
+    # 3 and 7 tokens with the end token; the empty negative prompt has 1
+    assert cond.encoder_hidden_states.shape == cond.negative_encoder_hidden_states.shape == (3, 7, 8)
+    assert cond.encoder_attention_mask.sum(dim=1).tolist() == [3, 7, 3]
+    assert cond.negative_encoder_attention_mask.sum(dim=1).tolist() == [1, 1, 1]
+    assert torch.count_nonzero(cond.encoder_hidden_states[~cond.encoder_attention_mask]) == 0
+    full = encoder.embed(["a red cat on a mat"])
+    assert torch.equal(cond.encoder_hidden_states[1], full.tokens[0, :7])
+    # one length, no padding: no mask; evaluation's negative (a longer one) pads the prompts instead
+    alone = build_text_encoder(SimpleNamespace(text_encoder="hashed"), "qwen_image", dims)(["a cat", "a dog"])
+    assert alone.encoder_attention_mask is None and alone.encoder_hidden_states.shape[1] == 3
+    guided = encoder.add_negative(alone, "ugly blurry low quality art")
+    assert guided.encoder_hidden_states.shape == guided.negative_encoder_hidden_states.shape == (2, 6, 8)
+    assert guided.encoder_attention_mask.sum(dim=1).tolist() == [3, 3]
+    assert guided.negative_encoder_attention_mask is None  # the negative fills the length
