@@ -193,9 +193,11 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
     buffers count (``nccl``: none; ``gloo``, to compare with a CPU run: its staging copies)."""
     from leangrpo_mcore.engine import build
     from leangrpo_mcore.engine.launch import DistContext
+    from leangrpo_mcore.engine.model_source import resolve_model_source
     from leangrpo_mcore.engine.step import StepInputs
 
     start = time.perf_counter()
+    source = resolve_model_source(config, check=False)  # a simulation reads no weights: a preset's are never drawn
     schedule = schedule or config.schedule.name
     with fake_world(world_size, config.parallel.tp, config.parallel.cp, rank):
         sim = SimulationMode(backend=backend)
@@ -203,7 +205,8 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
             ledger = sim.ledger
             pctx = build.build_context(config, DistContext(rank, world_size, 0, torch.device("cpu"), "fake", False))
             with ledger.labelled("parameters"), sim.all_fake():
-                parts = build.build_policy_parts(config, pctx, build.precision_of(config, pctx), fill_values=False)
+                parts = build.build_policy_parts(config, pctx, build.precision_of(config, pctx), source=source,
+                                                 fill_values=False)
             components = len(config.reward.weights or {}) if config.reward.aggregate == "advantages" else 0
             engine = build.build_engine(config, schedule, parts, pctx,
                                         functools.partial(_fixed_rewards, components=components))

@@ -90,6 +90,8 @@ NOT_RUN = {
     "--dst ckpt/wan-14b-mcore": (WEIGHTS, "Wan2.1-T2V-14B's transformer"),
     "leangrpo-convert diffusers-to-mcore --model sd3 --src /models/stable-diffusion-3.5-medium/transformer "
     "--dst ckpt/sd35m-mcore": (WEIGHTS, "SD3.5 Medium's transformer"),
+    "leangrpo-convert diffusers-to-mcore --model qwen_image --src /models/Qwen-Image/transformer "
+    "--dst ckpt/qwen-image-mcore": (WEIGHTS, "Qwen-Image's transformer"),
     # several machines
     "NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 examples/train_multi_node.sh yaml_configs/wan/dancegrpo_wan21_1.3b.yaml": (
         CLUSTER, "waits for the other node at MASTER_ADDR"),
@@ -109,14 +111,12 @@ NOT_RUN = {
     "leangrpo-plan --model wan2.2-ti2v-5b --nodes 1 --gpus-per-node 8 --gpu-mem-gb 48 --resolution 704x1280 "
     "--frames 49 --num-steps 16 --selected-steps 16 --group-size 8 --simulate all --json": (
         TOO_LONG, "three full-scale simulations, up to 4 minutes each"),
+    "leangrpo-plan --config yaml_configs/flux_dev/flowgrpo_lora.yaml --gpus-per-node 8 --gpu-mem-gb 48 --simulate": (
+        TOO_LONG, "a full-scale simulation of FLUX.1-dev LoRA, 1 to 2 minutes"),
 }
 CATEGORIES = (GPU, WEIGHTS, CLUSTER, TOO_LONG, SETUP)
 
-KNOWN_FAILING = {
-    "leangrpo-plan --config yaml_configs/flux_dev/flowgrpo_lora.yaml --gpus-per-node 8 --gpu-mem-gb 48 --simulate": (
-        "exits 2 with 'model.path is not set': the simulator refuses a full-size preset without weights, which "
-        "a simulation never reads"),
-}
+KNOWN_FAILING: dict[str, str] = {}
 """Commands that run here but fail today, each with the behaviour that fails; strict, so a fix shows."""
 EXPECTED_EXIT = {
     "leangrpo-torchrun --standalone --nproc-per-node 2 -m leangrpo_mcore.train --config "
