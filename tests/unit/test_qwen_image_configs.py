@@ -39,6 +39,7 @@ def test_the_full_finetune_is_the_non_cfg_row():
     config = load_config(str(FULL))
     assert (config.model.lora.rank, config.sampler.cfg_scale, config.optim.lr, config.grpo.clip_range) == (
         0, 1.0, 3e-5, 1e-5)
+    assert (config.schedule.name, config.parallel.tp, config.model.activation_checkpointing) == ("auto", 2, "auto")
     assert config.grpo.prompts_per_step * config.grpo.group_size == 512 and config.model.master_dtype == "float32"
 
 
@@ -57,8 +58,8 @@ def test_tiny_and_bench_configs():
 @pytest.mark.parametrize("path", [OCR, FULL], ids=["lora", "full"])
 def test_leangrpo_plan_fits_the_experiments_on_8_to_64_gpus(capsys, path):
     for nodes in (1, 2, 4, 8):
-        code = plan_main(["--config", str(path), "--nodes", str(nodes), "--gpus-per-node", "8", "--gpu-mem-gb", "80",
-                          "--json"])
+        code = plan_main(["--config", str(path), "--schedule", "config", "--nodes", str(nodes), "--gpus-per-node", "8",
+                          "--gpu-mem-gb", "80", "--json"])
         out = json.loads(capsys.readouterr().out)
         assert code == 0 and out["chosen"]["fits"], (nodes, out["reason"])
         assert out["chosen"]["peak_mem_bytes"] <= 80 * 2 ** 30
