@@ -59,8 +59,10 @@ setup(
         "video": ["imageio>=2.30", "imageio-ffmpeg>=0.5"],  # mp4 samples (the wheel ships ffmpeg)
         "wandb": ["wandb>=0.31,<1"],
         "lora": ["peft>=0.17"],  # diffusers loads the unmerged adapters of `leangrpo-convert --keep-lora` through peft
+        # conditioning images (data.images): decoded and resized by NVIDIA DALI, CPU operators or nvJPEG on a GPU
+        "dali": ["nvidia-dali-cuda120>=2.4,<3"],
         "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.5", "transformers", "accelerate", "imageio>=2.30",
-                 "imageio-ffmpeg>=0.5"],
+                 "imageio-ffmpeg>=0.5", "nvidia-dali-cuda120>=2.4,<3"],
     },
     entry_points={
         "console_scripts": [

@@ -49,4 +49,9 @@ two sd3_flowgrpo_ws2       --config $B/sd3_flowgrpo.yaml       --schedules $ALL 
 one sd3_flowgrpo_ws1       --config $B/sd3_flowgrpo.yaml       --steps 3 --warmup 1
 two qwen_image_flowgrpo_ws2 --config $B/qwen_image_flowgrpo.yaml --schedules $ALL --steps 3 --warmup 1 --check-parity
 one qwen_image_flowgrpo_ws1 --config $B/qwen_image_flowgrpo.yaml --steps 3 --warmup 1
+# FLUX.1-Kontext editing: the source image's tokens beside the generated ones (the demo dataset, read by DALI)
+if wanted kontext_flowgrpo_ws2 && [ ! -f runs/edit_demo/data/train_metadata.jsonl ]; then
+  python tools/make_edit_demo.py runs/edit_demo > /dev/null
+fi
+two kontext_flowgrpo_ws2   --config $B/flux_kontext.yaml       --schedules $ALL --steps 5 --warmup 1 --check-parity
 echo "done: $OUT"

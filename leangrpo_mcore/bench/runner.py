@@ -36,9 +36,10 @@ from leangrpo_mcore.bench.report import StepSample, finish_report, split_phases
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.launch import DistContext, raise_if_any
+from leangrpo_mcore.engine.references import StepReferences
+from leangrpo_mcore.engine.reward_bridge import RewardBridge
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.throughput import step_throughput
-from leangrpo_mcore.engine.trainer import RewardBridge
 from leangrpo_mcore.planner.flops import step_flops_for_config
 from leangrpo_mcore.schedules import SCHEDULES
 
@@ -106,6 +107,10 @@ class Bench:
         source = build.resolve_model_source(config)  # model.path is read here, once
         self.data = build.build_data_parts(config, source.family, source.hyper, dist_ctx.device)
         self.bridge = RewardBridge(self.data, config)
+        # every prompt slot's conditioning image, whatever the layouts of the arms (their samples may differ)
+        self.references = None if self.data.images is None else StepReferences(
+            self.data.images, self.data.decoder, source.family.name, range(config.grpo.prompts_per_step))
+        self._sources: Optional[dict] = None
         own = layout_name(int(pctx.layout.dp_shard), int(pctx.layout.dp_replicate))
         labels = list(options.schedules)
         if options.baselines:
@@ -137,6 +142,8 @@ class Bench:
         """The prompts and seeds of round ``step`` (the same for every schedule)."""
         ids = self.data.sampler.next_indices()
         conditioning = self.data.text_encoder.encode(self.data.dataset.get(ids))
+        if self.references is not None:
+            conditioning, self._sources = self.references.attach(conditioning, ids)
         return StepInputs(step=step, conditioning=conditioning, prompt_ids=torch.tensor(ids, dtype=torch.long))
 
     def step(self, label: str, inputs: StepInputs) -> tuple[float, StepResult]:
@@ -144,7 +151,7 @@ class Bench:
         arm = self.arm_of[label]
         engine = arm.engines[label]
         arm.snapshot.restore()
-        self.bridge.begin_step(capture=False)
+        self.bridge.begin_step(capture=False, sources=self._sources)
         arm.probe.begin_step(SCHEDULES[engine.plan.schedule].recompute_free)
         _barrier()
         synchronize(self.dist.device)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from leangrpo_mcore.cli.common import add_version_flag, run_main
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.planner.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, load_arch
+from leangrpo_mcore.planner.arch_specs import BUILTIN_PRESETS, DEFAULT_LORA_TARGETS, IMAGE_CONDITIONED, load_arch
 from leangrpo_mcore.planner.workload import (HARDWARE_KINDS, PRECISIONS, SCHEDULES, GiB, Hardware, Workload,
                                              hardware_preset)
 from leangrpo_mcore.planner.layout import (DEFAULT_TEXT_TOKENS, Plan, config_schedules, describe_layout, plan,
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 # Flags that a YAML config sets itself: with --config they come from it (use dotted overrides instead).
 WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_size", "prompts_per_step",
                   "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp", "pp",
-                  "reshard_after_forward")
+                  "reshard_after_forward", "image_conditioning")
 RESHARD_FLAG = {"auto": "auto", "true": True, "false": False, "rollout": "rollout"}
 # FLUX.1-dev is guidance-distilled; Wan samples with CFG 5, SD3.5-M with FlowGRPO's 4.5, Qwen-Image with true CFG 4
 DEFAULT_CFG_SCALE = {"flux": 1.0, "sd3": 4.5, "wan": 5.0, "qwen_image": 4.0}
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem-gb", type=float, required=True, help="memory per GPU, GiB")
     p.add_argument("--resolution", help="pixels: 512 or HEIGHTxWIDTH (default 512)")
     p.add_argument("--frames", type=int, help="video frames in pixel space (default 1)")
+    p.add_argument("--image-conditioning", choices=("on", "off"),
+                   help="a conditioning image per sample (FLUX.1-Kontext: its tokens join the generated ones; "
+                        f"default on for {', '.join(sorted(IMAGE_CONDITIONED))}, off otherwise)")
     p.add_argument("--num-steps", type=int, help="denoising steps T (default 16)")
     p.add_argument("--selected-steps", type=int, help="trained steps |S| per sample (default T-1)")
     p.add_argument("--group-size", type=int, help="generations per prompt M (default 8)")
@@ -125,7 +128,9 @@ def workload_from_args(args: argparse.Namespace, world_size: int) -> Workload:
     """The experiment described by the command-line flags (defaults as in ``--help``)."""
     arch = load_arch(args.model)
     height, width = _resolution(args.resolution)
-    tokens = arch.tokens(height, width, _pick(args.frames, 1), _pick(args.text_tokens, DEFAULT_TEXT_TOKENS))
+    conditioned = _pick(args.image_conditioning, "on" if args.model in IMAGE_CONDITIONED else "off") == "on"
+    tokens = arch.tokens(height, width, _pick(args.frames, 1), _pick(args.text_tokens, DEFAULT_TEXT_TOKENS),
+                         reference=conditioned)
     steps = _pick(args.num_steps, 16)
     group = _pick(args.group_size, 8)
     ac = {"on": True, "off": False, "auto": None}[_pick(args.activation_checkpointing, "auto")]
@@ -211,7 +216,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def render(result: Plan, top: int = 0) -> str:
     """The human-readable plan: decision, reason, candidate table (``top`` best, 0 = all), placement."""
     w = result.workload
-    lines = [f"model {w.arch.name}: {w.tokens['image']} image/video + {w.tokens['text']} text tokens, T={w.num_steps}, "
+    reference = w.tokens.get("reference", 0)
+    conditioned = f" (of which {reference} of the conditioning image)" if reference else ""
+    lines = [f"model {w.arch.name}: {w.tokens['image']} image/video{conditioned} + {w.tokens['text']} text tokens, "
+             f"T={w.num_steps}, "
              f"|S|={w.selected_steps}, M={w.group_size}, {w.prompts_per_step} prompt(s)/step, "
              f"{'LoRA r=%d' % w.lora_rank if w.lora_rank else 'full fine-tune'}, {w.precision.name}"
              f"{', CFG' if w.cfg else ''}; {result.hardware.nodes} node(s) x {result.hardware.gpus_per_node} GPUs"]

@@ -26,8 +26,9 @@ from leangrpo_mcore.config.schema import Config
 
 COMMAND_LINE = "command line"
 REMOVED_KEYS = {
-    "data.image_backend": "the images reach the reward as decoded tensors and nothing in training decodes or "
-                          "resizes image files; delete the key (resolved configs of earlier runs hold it)",
+    "data.image_backend": "the images reach the reward as decoded tensors, and conditioning image files "
+                          "(data.images) are always read by DALI; delete the key (resolved configs of earlier runs "
+                          "hold it)",
 }
 """Keys that earlier versions accepted, with why they are gone: a config holding one gets that reason."""
 

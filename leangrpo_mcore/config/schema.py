@@ -364,7 +364,7 @@ class LoggingConfig:
 
 @dataclass
 class DataConfig:
-    """Prompts."""
+    """Prompts, and the conditioning images of image-conditioned runs."""
 
     prompts: str = "builtin"
     """Prompt source: 'builtin' (a small demo set), a .txt (one per line) / .jsonl ({"prompt": ...}) file, or a
@@ -373,6 +373,12 @@ class DataConfig:
     the train split; evaluation defaults to the test split where the directory has one, else these prompts."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (deterministically from train.seed)."""
+    images: bool = False
+    """Condition every sample on its prompt's image (instruction editing with FLUX.1-Kontext): each row of the
+    *_metadata.jsonl split files names one in its 'image' field, a path relative to the file's directory. The
+    images are decoded, resized with Lanczos to cover sampler.height x sampler.width and centre-cropped by an NVIDIA
+    DALI pipeline (the 'dali' extra), encoded once per prompt group, and reach the rewards that declare
+    reference_images (docs/rewards.md). Evaluation reads the test split's images."""
 
 
 @dataclass

@@ -41,7 +41,7 @@ def _check_batch(name: str, tensor: torch.Tensor, ndim: int, batch: int) -> None
 
 @dataclass
 class Conditioning:
-    """Text conditioning of B samples; every field has the batch dimension first."""
+    """Conditioning of B samples (text, and a conditioning image); every field has the batch dimension first."""
 
     encoder_hidden_states: torch.Tensor
     """(B, L, D) text-encoder tokens (T5 for FLUX and Wan)."""
@@ -53,6 +53,10 @@ class Conditioning:
     """(B,) distilled-guidance scale (FLUX-dev), or None."""
     negative_pooled_projections: torch.Tensor | None = None
     """(B, P) pooled embedding of the negative prompt (SD3's classifier-free guidance), or None."""
+    reference_latents: torch.Tensor | None = None
+    """(B, ...) float32 conditioning image of each sample as its family's reference encoder makes it
+    (:mod:`leangrpo_mcore.data.reference`; FLUX.1-Kontext: packed VAE tokens (B, S_ref, 4·C)), or None without
+    image conditioning. The family's velocity function decides how the policy sees it."""
     encoder_attention_mask: torch.Tensor | None = None
     """(B, L) bool, True for the real tokens of ``encoder_hidden_states`` (Qwen-Image pads its prompts to the
     longest), or None: every token is real."""
@@ -79,6 +83,10 @@ class Conditioning:
             value = getattr(self, name)
             if value is not None:
                 _check_batch(f"conditioning.{name}", value, ndim, batch)
+        reference = self.reference_latents
+        if reference is not None and (reference.ndim < 2 or reference.shape[0] != batch):
+            raise ValueError(f"conditioning.reference_latents must have batch {batch} first, got shape "
+                             f"{tuple(reference.shape)}")
         for mask_name, tokens_name in (("encoder_attention_mask", "encoder_hidden_states"),
                                        ("negative_encoder_attention_mask", "negative_encoder_hidden_states")):
             mask, tokens = getattr(self, mask_name), getattr(self, tokens_name)
@@ -134,7 +142,7 @@ class Trajectory:
     generation_ids: torch.Tensor
     """(B,) long: the index of each sample within its prompt's group."""
     conditioning: Conditioning
-    """The text conditioning of the B samples."""
+    """The conditioning of the B samples (text, and a conditioning image where the run has one)."""
     final_latents: torch.Tensor
     """(B, *shape) float32: x_T, the decoded result."""
 

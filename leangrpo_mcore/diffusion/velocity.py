@@ -10,6 +10,12 @@ which the policy runs with its LoRA adapters disabled: the KL reference of FlowG
 
 Sampler latents of FLUX and Qwen-Image are *packed* (B, (H/2)·(W/2), 4·C), exactly as FluxPipeline and
 QwenImagePipeline keep them; use :func:`pack_flux_latents` / :func:`unpack_flux_latents` at the VAE boundary.
+
+Image conditioning (``conditioning.reference_latents``) is each family's business here, the second half of its
+reference hook (the first, :mod:`leangrpo_mcore.data.reference`, encodes the image): FLUX.1-Kontext appends the
+reference tokens to the noisy ones in every forward, with RoPE ids whose first component is 1
+(FluxKontextPipeline's), and keeps the velocity of the generated tokens only, so that the SDE step, the log-probs
+and the KL never see the reference.
 """
 
 from __future__ import annotations
@@ -52,11 +58,14 @@ def unpack_flux_latents(packed: torch.Tensor, latent_height: int, latent_width: 
     return patches.reshape(b, dim // 4, latent_height, latent_width)
 
 
-def flux_image_ids(latent_height: int, latent_width: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """(S, 3) RoPE positions of the packed image tokens: (0, row, col), as FluxPipeline builds them."""
+def flux_image_ids(latent_height: int, latent_width: int, device: torch.device | str = "cpu",
+                   *, image_index: int = 0) -> torch.Tensor:
+    """(S, 3) RoPE positions of the packed image tokens: (image_index, row, col), as FluxPipeline builds them
+    (``image_index`` 0: the generated image; 1: FLUX.1-Kontext's reference image)."""
     rows = torch.arange(latent_height // 2, dtype=torch.float32, device=device)
     cols = torch.arange(latent_width // 2, dtype=torch.float32, device=device)
     ids = torch.zeros(latent_height // 2, latent_width // 2, 3, device=device)
+    ids[..., 0] = float(image_index)
     ids[..., 1] = rows[:, None]
     ids[..., 2] = cols[None, :]
     return ids.reshape(-1, 3)
@@ -107,7 +116,8 @@ class FluxVelocity(_PolicyVelocity):
     """Velocity of a FLUX policy on packed latents of a (latent_height, latent_width) VAE grid.
 
     The guidance embedding receives ``conditioning.guidance`` (B,) when present (FLUX.1-dev: 3.5); FLUX is
-    guidance-distilled, so two-branch CFG is not offered here.
+    guidance-distilled, so two-branch CFG is not offered here. With ``conditioning.reference_latents`` (FLUX.1-Kontext)
+    the policy sees [noisy tokens, reference tokens] and the velocity is that of the noisy tokens (module doc).
     """
 
     family = "flux"
@@ -130,20 +140,32 @@ class FluxVelocity(_PolicyVelocity):
             raise ValueError("FLUX needs conditioning.pooled_projections")
         device, dtype = latents.device, self.compute_dtype
         guidance = conditioning.guidance
+        tokens, ids = latents.to(dtype), flux_image_ids(self.latent_height, self.latent_width, device)
+        reference = conditioning.reference_latents
+        if reference is not None:
+            if reference.shape[1:] != latents.shape[1:]:
+                raise ValueError(f"FLUX.1-Kontext reference tokens {tuple(reference.shape[1:])} must match the "
+                                 f"generated ones {tuple(latents.shape[1:])}: the image is read at the run's size")
+            tokens = torch.cat([tokens, reference.to(dtype)], dim=1)
+            ids = torch.cat([ids, flux_image_ids(self.latent_height, self.latent_width, device, image_index=1)])
         return dict(
-            hidden_states=latents.to(dtype),
+            hidden_states=tokens,
             encoder_hidden_states=conditioning.encoder_hidden_states.to(dtype),
             pooled_projections=conditioning.pooled_projections.to(dtype),
             timestep=self.timestep(sigma),
-            img_ids=flux_image_ids(self.latent_height, self.latent_width, device),
+            img_ids=ids,
             txt_ids=torch.zeros(conditioning.encoder_hidden_states.shape[1], 3, device=device),
             guidance=None if guidance is None else guidance.to(torch.float32),
         )
 
-    @staticmethod
-    def velocity_from_output(out: torch.Tensor) -> torch.Tensor:
-        """The float32 velocity of the policy's output."""
-        return out.to(torch.float32)
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens of the generated image (the first ones of the policy's output)."""
+        return (self.latent_height // 2) * (self.latent_width // 2)
+
+    def velocity_from_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The float32 velocity of the generated tokens of the policy's output."""
+        return out[:, :self.generated_tokens].to(torch.float32)
 
 
 class WanVelocity(_PolicyVelocity):

@@ -17,11 +17,13 @@ import torch
 
 from leangrpo_mcore.config.schema import Config, RewardConfig as RewardSection
 from leangrpo_mcore.data.conditioning import TextDims, TextEncoder, build_text_encoder
+from leangrpo_mcore.data.images import ConditioningImages, ImageFiles, ImageReader
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
+from leangrpo_mcore.data.reference import check_image_conditioning
 from leangrpo_mcore.data.vae import PACKED_FAMILIES, LatentDecoder, build_vae, latent_shape
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
-from leangrpo_mcore.engine.checkpoint import TPLayout, capture_tp_layout
+from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout
 from leangrpo_mcore.engine.auto_layout import (apply_choice, auto_keys, chosen_words, describe_inputs,
                                                planning_inputs, unplanned)
 from leangrpo_mcore.engine.launch import DistContext
@@ -70,6 +72,8 @@ class DataParts:
     decoder: LatentDecoder
     reward: Optional[ValidatedReward]
     """None on ranks that never score (:func:`scores_samples`): they load no reward model."""
+    images: Optional[ConditioningImages] = None
+    """The training prompts' conditioning images (``data.images``), or None."""
 
 
 def scores_samples(pctx: ParallelContext) -> bool:
@@ -236,7 +240,15 @@ def _reward(config: Config) -> ValidatedReward:
     if r.aggregate == "advantages" and r.normalize:
         raise UserError("reward.aggregate=advantages already normalises each reward into its group advantage: "
                         "set reward.normalize=false")
-    return reward_of(r)
+    return check_reward_images(reward_of(r), config, "reward")
+
+
+def check_reward_images(reward: ValidatedReward, config: Config, key: str) -> ValidatedReward:
+    """``reward``, unless it compares samples with their conditioning images in a run that has none (UserError)."""
+    if reward.needs_reference_images and not config.data.images:
+        raise UserError(f"{key}: reward '{reward.name}' compares each sample with its conditioning image: set "
+                        "data.images=true (a dataset whose rows name their images)")
+    return reward
 
 
 def reward_of(r: RewardSection) -> ValidatedReward:
@@ -264,9 +276,22 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
     dataset = prompts_from("data.prompts", config.data.prompts, "train")
     sampler = PromptSampler(len(dataset), config.grpo.prompts_per_step, seed=config.train.seed,
                             shuffle=config.data.shuffle)
+    images = conditioning_images(config, family, dataset, "data.prompts", device)
     text, decoder = build_text_and_vae(config, family, diffusers_config, device)
     reward = _reward(config) if pctx is None else scoring_reward(lambda: _reward(config), pctx)
-    return DataParts(dataset, sampler, text, decoder, reward)
+    return DataParts(dataset, sampler, text, decoder, reward, images)
+
+
+def conditioning_images(config: Config, family: ModelFamily, dataset: PromptDataset, key: str,
+                        device: torch.device) -> Optional[ConditioningImages]:
+    """The conditioning images of ``dataset`` (config key ``key``) at the sampler's resolution with
+    ``data.images``, else None; every row's file is checked to exist now."""
+    if not config.data.images:
+        return None
+    check_image_conditioning(family.name)
+    batch = max(config.grpo.prompts_per_step, config.schedule.micro_batch)
+    reader = ImageReader(config.sampler.height, config.sampler.width, device=device, batch_size=batch)
+    return ConditioningImages(ImageFiles.of(dataset, key), reader)
 
 
 def prompts_from(key: str, source: str, split: str) -> PromptDataset:

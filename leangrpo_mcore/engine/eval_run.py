@@ -14,8 +14,7 @@ from typing import Optional
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.engine import build, checkpoint
 from leangrpo_mcore.engine.evaluate import EvalResult, Evaluator, eval_rewards
-from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown
-from leangrpo_mcore.engine.trainer import user_errors
+from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown, user_errors
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.mesh import Layout, destroy_parallel_context
 from leangrpo_mcore.parallel.precision import fp8_precision

@@ -6,7 +6,9 @@ same weights gives the same images at every world size and layout, and evaluatio
 differ only by what the policy learned. The samples are split over the data-parallel ranks (each padded to the
 same count, since FSDP2 gathers in step); the policy runs as in training (TP, CP, PP, FSDP2), without gradients;
 each sample is decoded and scored once, on the ranks that score training samples (CP rank 0 of the last
-pipeline stage). Results: :class:`EvalResult`, one object per evaluation (``RUN/eval.jsonl``).
+pipeline stage). In an image-conditioned run (``data.images``) each eval prompt's own image conditions its samples
+(the test split's images), the rewards receive it as ``reference_images`` and the grid shows [source | result].
+Results: :class:`EvalResult`, one object per evaluation (``RUN/eval.jsonl``).
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from leangrpo_mcore.config.loader import build_section
 from leangrpo_mcore.config.schema import Config, RewardConfig
 from leangrpo_mcore.data.conditioning import TextEncoder
 from leangrpo_mcore.data.prompts import PromptDataset, eval_source
+from leangrpo_mcore.data.reference import encode_references
 from leangrpo_mcore.data.vae import PACKED_FAMILIES, DecodedImages, LatentDecoder
 from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, rollout_together
 from leangrpo_mcore.diffusion.seeding import eval_inputs
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.engine import build
-from leangrpo_mcore.engine.samples import save_grid, to_uint8, video_to_uint8
-from leangrpo_mcore.engine.video import write_video_grid
+from leangrpo_mcore.engine.launch import raise_if_any
+from leangrpo_mcore.engine.output.samples import beside_sources, save_grid, to_uint8, video_to_uint8
+from leangrpo_mcore.engine.output.video import write_video_grid
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
 from leangrpo_mcore.parallel.mesh import ParallelContext
@@ -57,8 +61,9 @@ class EvalResult:
     time_s: float = 0.0
     """Wall-clock seconds of the evaluation."""
     samples: list[tuple] = field(default_factory=list)
-    """(uint8 (H, W, 3) image, prompt, first reward's value, uint8 (F, H, W, 3) video or None) of the first
-    :data:`GRID_MAX` samples in (prompt, sample) order, for the grid (not written to the JSON)."""
+    """(uint8 (H, W, 3) image, prompt, first reward's value, uint8 (F, H, W, 3) video or None, uint8 (H, W, 3)
+    conditioning image or None) of the first :data:`GRID_MAX` samples in (prompt, sample) order, for the grid (not
+    written to the JSON)."""
 
     def to_json(self) -> dict:
         """The ``eval.jsonl`` object."""
@@ -93,7 +98,8 @@ def eval_rewards(config: Config, training: Optional[ValidatedReward]) -> dict[st
     """{name: reward} of ``eval.rewards`` (each entry a reward section), or the training reward."""
     entries = config.eval.rewards
     if entries is None:
-        return {config.reward.name: training if training is not None else build.reward_of(config.reward)}
+        reward = training if training is not None else build.reward_of(config.reward)
+        return {config.reward.name: build.check_reward_images(reward, config, "reward")}
     if not entries:
         raise UserError("eval.rewards is empty: list at least one reward, or null for the training reward")
     rewards: dict[str, ValidatedReward] = {}
@@ -101,7 +107,7 @@ def eval_rewards(config: Config, training: Optional[ValidatedReward]) -> dict[st
         section = build_section(RewardConfig, entry, f"eval.rewards.{k}.")
         if section.name in rewards:
             raise UserError(f"eval.rewards lists reward '{section.name}' twice")
-        rewards[section.name] = build.reward_of(section)
+        rewards[section.name] = build.check_reward_images(build.reward_of(section), config, f"eval.rewards.{k}")
     return rewards
 
 
@@ -143,6 +149,9 @@ class Evaluator:
         self.config, self.parts, self.pctx = config, parts, pctx
         self.text_encoder, self.decoder, self.rewards = text_encoder, decoder, rewards
         self.dataset = eval_dataset(config)
+        key = "eval.prompts" if e.prompts is not None else "data.prompts"
+        self.images = build.conditioning_images(config, parts.family, self.dataset, key, pctx.device)
+        self._sources: dict[int, torch.Tensor] = {}
         self.samples_per_prompt = e.samples_per_prompt
         self.shape = build.policy_latent_shape(config, parts.policy, parts.family)
         self.sigmas = build.sigma_schedule(config, e.num_steps or s.num_steps, self.shape)
@@ -185,6 +194,23 @@ class Evaluator:
             cond = self.text_encoder.add_negative(cond, self.config.sampler.negative_prompt)
         return cond
 
+    def _read_sources(self, items: list[Optional[tuple[int, int]]]) -> None:
+        """Collective: this rank's eval prompts' conditioning images (``data.images``), read before any forward so
+        that an unreadable one stops every rank with its line."""
+        self._sources, error = {}, None
+        if self.images is None:
+            return
+        prompts = sorted({pair[0] for pair in items if pair is not None} or {0})  # a padded rank repeats prompt 0
+        try:
+            self._sources = dict(zip(prompts, self.images.load(prompts)))
+        except UserError as err:
+            error = str(err)
+        raise_if_any(error)
+
+    def _references(self, pairs: list[tuple[int, int]]) -> Optional[torch.Tensor]:
+        """(B, 3, H, W) conditioning images of the samples ``pairs`` (None without ``data.images``)."""
+        return torch.stack([self._sources[i] for i, _ in pairs]) if self.images is not None else None
+
     def _rollout(self, pairs: list[tuple[int, int]]) -> torch.Tensor:
         """Final latents (B, *shape) of the samples ``pairs`` (whole latents on every CP rank)."""
         device, steps = self.pctx.device, self.sigmas.numel() - 1
@@ -192,7 +218,11 @@ class Evaluator:
                                   steps)
         batch = len(pairs)
         sde_rows = self.config.eval.noise_level > 0
-        cond = self._conditioning(self.dataset.get([i for i, _ in pairs])).to(device)
+        cond = self._conditioning(self.dataset.get([i for i, _ in pairs]))
+        references = self._references(pairs)
+        if references is not None:
+            cond = dataclasses.replace(cond, **encode_references(self.parts.family.name, self.decoder, references))
+        cond = cond.to(device)
         loop = RolloutLoop(init.to(device), self.sigmas, cond, sde=self.sde,
                            selected=torch.zeros(batch, steps, dtype=torch.bool),
                            sde_steps=torch.full((batch, steps), sde_rows, dtype=torch.bool), noise_seeds=seeds,
@@ -213,16 +243,20 @@ class Evaluator:
         size = {"height": s.height, "width": s.width} if self.parts.family.name in PACKED_FAMILIES else {}
         decoded = self.decoder.decode(latents, **size)
         prompts, metadata = self.dataset.get([i for i, _ in pairs]), self.dataset.metadata([i for i, _ in pairs])
-        values = {name: reward(reward_input(decoded), prompts, metadata).double().tolist() for name, reward in self.rewards.items()}
+        references = self._references(pairs)
+        values = {name: reward(reward_input(decoded), prompts, metadata, references).double().tolist()
+                  for name, reward in self.rewards.items()}
         first = next(iter(values))
         images = to_uint8(decoded.images)
         videos = None if decoded.video is None else video_to_uint8(decoded.video)
+        sources = None if references is None else to_uint8(references)
         out = []
         for row, (i, j) in enumerate(pairs):
             index = i * self.samples_per_prompt + j
             item = None
             if index < keep:
-                item = (images[row], prompts[row], values[first][row], None if videos is None else videos[row])
+                item = (images[row], prompts[row], values[first][row], None if videos is None else videos[row],
+                        None if sources is None else sources[row])
             out.append((i, j, {name: v[row] for name, v in values.items()}, item))
         return out
 
@@ -233,6 +267,7 @@ class Evaluator:
         items = self._my_items()
         local: list[tuple] = []
         policy = self.parts.policy
+        self._read_sources(items)
         reshard_policy(policy)
         set_gathered(policy, False)
         with torch.no_grad(), ema_weights(policy, self.parts.ema if self.use_ema else None):
@@ -269,12 +304,14 @@ class Evaluator:
 def write_eval_grid(run_dir, step: int, samples: list[tuple], metrics, *, fps: int) -> None:
     """``samples/eval_step_<N>.png`` (first frames; also to TensorBoard and wandb as ``eval/samples``) and, for
     video policies, ``samples/eval_step_<N>.mp4`` (wandb: ``eval/samples_video``); each sample is captioned with
-    its prompt and its value of the first eval reward."""
-    images = torch.stack([torch.from_numpy(s[0]).permute(2, 0, 1) for s in samples]).float() / 255.0
+    its prompt and its value of the first eval reward, and shown beside its conditioning image where it has one."""
+    sources = np.stack([s[4] for s in samples]) if all(s[4] is not None for s in samples) else None
+    paired = (lambda tiles: tiles) if sources is None else (lambda tiles: beside_sources(tiles, sources))
+    images = torch.from_numpy(paired(np.stack([s[0] for s in samples]))).permute(0, 3, 1, 2).float() / 255.0
     prompts, values = [s[1] for s in samples], [s[2] for s in samples]
     grid = save_grid(run_dir.sample_path(step, prefix="eval_step"), images, prompts, values)
     metrics.add_image("eval/samples", np.asarray(grid), step)
     if all(s[3] is not None for s in samples):
         path = run_dir.video_path(step, prefix="eval_step")
-        write_video_grid(path, np.stack([s[3] for s in samples]), prompts, values, fps=fps)
+        write_video_grid(path, paired(np.stack([s[3] for s in samples])), prompts, values, fps=fps)
         metrics.add_video("eval/samples_video", path, step, fps)

@@ -172,6 +172,20 @@ def _check_fusions() -> None:
     assert list(inspect.signature(get_fp8_context).parameters)[0] == "config"
 
 
+def _check_lean_import() -> None:
+    # mcore_import: megatron.core.jit binds jit_fuser = torch.compile when it is imported, the fusions decorate
+    # with the jit_fuser they import, and the dynamic inference context imports wandb only if it can
+    from megatron.core import jit
+    from megatron.core.fusions import fused_bias_geglu, fused_bias_gelu
+    from megatron.core.inference.contexts import dynamic_context
+
+    assert re.search(r"^\s*jit_fuser = torch\.compile$", _source(jit), re.M), "jit_fuser is no longer torch.compile"
+    for module in (fused_bias_gelu, fused_bias_geglu):
+        assert "from megatron.core.jit import jit_fuser" in _source(module), f"{module.__name__} binds another fuser"
+    assert re.search(r"try:\s+import wandb\b[^\n]*\n(.*\n){0,3}?\s*except ImportError", _source(dynamic_context)), \
+        "dynamic_context no longer imports wandb optionally"
+
+
 def _check_queue_callback() -> None:
     # GradientRouter moves a routed slot out in a final callback of the backward pass that ran it
     import torch
@@ -222,9 +236,11 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("P2PCommunicator's constructor and transfers", "parallel/stages.py, parallel/pipeline.py", _check_p2p),
     Internal("what the schedules read from a model (_Stage)", "parallel/pipeline.py", _check_model_reads),
     Internal("tensor-parallel parameter attributes", "models/common/tp.py, parallel/fsdp.py, engine/optim.py, "
-             "engine/checkpoint.py", _check_tp_attributes),
+             "engine/checkpoint/", _check_tp_attributes),
     Internal("fused_bias_gelu.bias_gelu_impl and fp8_utils.get_fp8_context",
              "models/backends.py, models/common/fp8.py", _check_fusions),
+    Internal("jit_fuser bound to torch.compile at import, the optional wandb import of the dynamic inference "
+             "context", "mcore_import.py", _check_lean_import),
     Internal("torch: the autograd engine's queue_callback", "parallel/routing.py", _check_queue_callback),
     Internal("torch: FSDP2's per-parameter gradient state", "parallel/grad_sync.py", _check_fsdp_param_state),
     Internal("torch: a process group's timeout in its backend's options", "parallel/mesh.py",

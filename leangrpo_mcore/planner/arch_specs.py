@@ -8,6 +8,9 @@ all follow from that one list, so they cannot disagree with each other.
 
 Token streams: ``image`` (image / video tokens), ``text`` (text-encoder tokens), ``joint`` (both, FLUX's joint
 sequence; SD3's and Qwen-Image's joint attention) and ``sample`` (one row per sample: timestep / pooled-text embeddings and adaLN modulation).
+An image-conditioned FLUX (FLUX.1-Kontext) appends the reference image's tokens to the generated ones: they are
+``image`` tokens to every layer, counted apart as ``reference`` (what the trajectories store is the generated
+latent only).
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ _CLASS_FAMILIES = {FLUX_CLASS: "flux", SD3_CLASS: "sd3", WAN_CLASS: "wan", QWEN_
 _IMAGE_FAMILIES = ("flux", "sd3", "qwen_image")
 """Families of image models, whose stage boundary is ``[temb, text, image]`` rows."""
 
+_FLUX_DEV = {
+    "_class_name": FLUX_CLASS, "patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19,
+    "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
+}
 # Published diffusers configs (config.json of the transformer subfolder) of the built-in model names.
 BUILTIN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "flux-dev": ("flux", {
-        "_class_name": FLUX_CLASS, "patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19,
-        "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
-        "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56],
-    }),
+    "flux-dev": ("flux", dict(_FLUX_DEV)),
+    "flux-kontext-dev": ("flux", dict(_FLUX_DEV)),  # FLUX.1-Kontext-dev: FLUX.1-dev's transformer layout
     "wan2.1-1.3b": ("wan", {
         "_class_name": WAN_CLASS, "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128,
         "in_channels": 16, "out_channels": 16, "text_dim": 4096, "freq_dim": 256, "ffn_dim": 8960,
@@ -83,6 +88,9 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
                    "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
                    "txt_mlp.net.2"),
 }
+
+IMAGE_CONDITIONED = frozenset({"flux-kontext-dev"})
+"""Built-in models planned with a conditioning image by default (``leangrpo-plan --model``)."""
 
 STREAMS = ("image", "text", "joint", "sample")
 TP_MODES = ("column", "row", "replicated")
@@ -164,8 +172,11 @@ class ArchSpec:
         """Transformer blocks of every kind."""
         return sum(b.count for b in self.blocks)
 
-    def tokens(self, height: int, width: int, frames: int = 1, text_tokens: int = 512) -> dict[str, int]:
-        """Tokens per sample of each stream (``image``, ``text``, ``joint``, ``sample``) at a resolution."""
+    def tokens(self, height: int, width: int, frames: int = 1, text_tokens: int = 512, *,
+               reference: bool = False) -> dict[str, int]:
+        """Tokens per sample of each stream (``image``, ``text``, ``joint``, ``sample``) at a resolution, and
+        with ``reference`` also ``reference``: the conditioning image's tokens among the image ones (FLUX.1-Kontext's
+        reference image at the generated image's size)."""
         if height <= 0 or width <= 0 or frames <= 0 or text_tokens < 0:
             raise UserError(f"resolution {height}x{width}x{frames} and text tokens {text_tokens} must be positive")
         s = self.spatial_stride
@@ -180,12 +191,23 @@ class ArchSpec:
             raise UserError(f"{self.name}: {latent_frames} latent frames do not split into patches of "
                             f"{self.temporal_patch}")
         image = (latent_frames // self.temporal_patch) * (height // s) * (width // s)
-        return {"image": image, "text": text_tokens, "joint": image + text_tokens, "sample": 1}
+        if reference and self.family != "flux":
+            raise UserError(f"{self.name}: the planner counts conditioning-image tokens of FLUX.1-Kontext only")
+        tokens = {"image": image, "text": text_tokens, "joint": image + text_tokens, "sample": 1}
+        if reference:  # the source's tokens, as many as the generated image's, are image tokens to every layer
+            tokens.update(image=2 * image, joint=2 * image + text_tokens, reference=image)
+        return tokens
+
+    def _patch_elements(self) -> int:
+        return self.temporal_patch * (self.spatial_stride // self.vae_stride) ** 2 * self.latent_channels
 
     def latent_elements(self, tokens: dict[str, int]) -> int:
-        """Elements of one sample's latent (what a trajectory stores per step)."""
-        patch_volume = self.temporal_patch * (self.spatial_stride // self.vae_stride) ** 2
-        return tokens["image"] * patch_volume * self.latent_channels
+        """Elements of one sample's generated latent (what a trajectory stores per step)."""
+        return (tokens["image"] - tokens.get("reference", 0)) * self._patch_elements()
+
+    def reference_elements(self, tokens: dict[str, int]) -> int:
+        """Elements of one sample's encoded conditioning image (its trajectory's conditioning keeps one)."""
+        return tokens.get("reference", 0) * self._patch_elements()
 
 
 def _linear_params(linears: tuple[LinearSpec, ...], part: Optional[str] = None) -> int:

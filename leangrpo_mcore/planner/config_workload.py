@@ -71,12 +71,13 @@ def arch_of(config: Any) -> ArchSpec:
 
 
 def tokens_of(config: Any, arch: ArchSpec, text_tokens: Optional[int] = None) -> dict[str, int]:
-    """Tokens per sample of each stream at the config's resolution; ``text_tokens`` defaults to the text
-    encoder's length (``model.text_max_length``, 16 for the hashed CPU embedder)."""
+    """Tokens per sample of each stream at the config's resolution (the conditioning image's with
+    ``data.images``); ``text_tokens`` defaults to the text encoder's length (``model.text_max_length``, 16 for the
+    hashed CPU embedder)."""
     m, s = config.model, config.sampler
     if text_tokens is None:
         text_tokens = HASHED_TEXT_TOKENS if m.text_encoder == "hashed" else m.text_max_length
-    return arch.tokens(s.height, s.width, s.frames, text_tokens)
+    return arch.tokens(s.height, s.width, s.frames, text_tokens, reference=config.data.images)
 
 
 def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, reward_seconds: float = 0.0,

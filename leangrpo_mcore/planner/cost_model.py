@@ -98,9 +98,10 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
     # A trajectory keeps fp32 latents for every step (docs/algorithms.md §7), each CP rank its piece
     # (parallel/sequence.py), and the prompt's text embeddings.
     trajectory = -(-4 * (work.num_steps + 1) * work.arch.latent_elements(work.tokens) * cfg // cp)
+    trajectory += 4 * work.arch.reference_elements(work.tokens)  # a float32 conditioning image, whole on every CP rank
     trajectory += work.tokens["text"] * text_width * prec.compute_bytes
-    # Only CP rank 0 of the last stage scores (engine/step.py): it alone holds the reward model. The planner's
-    # rank of a stage stands for its heaviest one, so the last stage's is that scoring rank.
+    # Only CP rank 0 of the last stage scores (engine/step/reward_join.py): it alone holds the reward model. The
+    # planner's rank of a stage stands for its heaviest one, so the last stage's is that scoring rank.
     scores = stage == layout.pp - 1
     # A no-grad pipelined rollout keeps no boundary after sending it (parallel/stages.py): a stage before the last
     # holds at most two micro-batches' boundaries at once (the one it sends, the next it makes), whatever their count.

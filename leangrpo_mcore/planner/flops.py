@@ -184,7 +184,7 @@ def step_flops(arch: ArchSpec, tokens: dict[str, int], *, schedule: str, num_ste
                lora_rank: int = 0, lora_targets: tuple[str, ...] = (), checkpointing: bool = False,
                cfg: bool = False, pp: int = 1) -> StepFlops:
     """The FLOPs of one step: the first of ``updates_per_rollout`` blocks of prompt groups is trained by
-    ``schedule``, the later ones by Native (``engine/step.py``)."""
+    ``schedule``, the later ones by Native (``engine/step/engine.py``)."""
     if prompts_per_step % updates_per_rollout:
         raise UserError(f"updates per rollout ({updates_per_rollout}) must divide prompts per step "
                         f"({prompts_per_step})")

@@ -1,9 +1,9 @@
 """Memory of the built-in learned reward models, for the layout planner (pure Python).
 
-Only the ranks that score hold a reward model: CP rank 0 of the last pipeline stage (``engine/step.py``). Such a
-rank keeps the model resident for the whole run, in its dtype (``reward.options.dtype``; bfloat16 on a GPU by
-default), and while scoring also holds the inference activations of one batch of ``reward.options.batch_size``
-images. Both are derived here from the architecture numbers of the CLIP models the rewards load (transformers
+Only the ranks that score hold a reward model: CP rank 0 of the last pipeline stage
+(``engine/step/reward_join.py``). Such a rank keeps the model resident for the whole run, in its dtype
+(``reward.options.dtype``; bfloat16 on a GPU by default), and while scoring also holds the inference activations
+of one batch of ``reward.options.batch_size`` images. Both are derived here from the architecture numbers of the CLIP models the rewards load (transformers
 ``CLIPModel``: both towers, whichever of them a score uses); non-learned rewards (JPEG, OCR on the CPU, a remote
 server, plugins) add nothing.
 """
@@ -99,6 +99,7 @@ REWARD_MODELS: dict[str, ClipSpec] = {
     "pickscore": VIT_H_14,  # PickScore_v1: a fine-tuned CLIP-ViT-H-14-laion2B
     "hpsv2": VIT_H_14,  # HPSv2.1: an open_clip ViT-H-14 state dict, loaded into the same CLIPModel
     "clip_score": VIT_L_14,  # openai/clip-vit-large-patch14
+    "clip_consistency": VIT_L_14,  # the same CLIP by default (the image tower scores, the whole model is loaded)
     "aesthetic": AESTHETIC,  # LAION's improved aesthetic predictor on the CLIP ViT-L/14 image embedding
 }
 """The built-in learned rewards' models, by reward name."""

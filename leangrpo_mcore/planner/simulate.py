@@ -9,7 +9,8 @@ gradients has created the optimizer state (so the measured step is a steady-stat
 
 What does not run, and how it is accounted for:
 
-- Text encoding happens before a step: the conditioning is built with the encoder's output shapes.
+- Text encoding happens before a step: the conditioning is built with the encoder's output shapes, and with
+  ``data.images`` with the shapes of the encoded conditioning image (its reading and VAE encoding are not run).
 - Decoding and the reward need pixel values, which fake latents do not have: the rewards are fixed real numbers
   (distinct per sample, so advantages are non-zero), and the decoder and reward model are not part of the
   simulated peak (``not_simulated`` says so; the planner takes their memory as an input).
@@ -100,9 +101,12 @@ def fake_world(world_size: int, tp: int, cp: int = 1, rank: int = 0) -> Iterator
         dist.destroy_process_group()
 
 
-def _conditioning(config: Config, hyper: dict, family: str, prompts: int) -> Conditioning:
-    """Zeros in the shapes the configured text encoder gives ``prompts`` prompts."""
+def _conditioning(config: Config, hyper: dict, family: str, prompts: int,
+                  latent_shape: tuple[int, ...]) -> Conditioning:
+    """Zeros in the shapes the configured text encoder (and with ``data.images`` the family's reference encoder)
+    gives ``prompts`` prompts."""
     from leangrpo_mcore.data.conditioning import TextDims
+    from leangrpo_mcore.data.reference import reference_shapes
     from leangrpo_mcore.engine.build import HASHED_TEXT_LENGTH
 
     m, s = config.model, config.sampler
@@ -114,7 +118,9 @@ def _conditioning(config: Config, hyper: dict, family: str, prompts: int) -> Con
     guidance = torch.full((prompts,), s.guidance_scale) if hyper.get("guidance_embeds") else None
     # SD3's guidance also reads the negative prompt's pooled vector
     negative_pooled = torch.zeros_like(pooled) if negative is not None and family == "sd3" else None
-    return Conditioning(tokens, pooled, negative, guidance, negative_pooled)
+    references = {name: torch.zeros(prompts, *shape) for name, shape in reference_shapes(family, latent_shape).items()} \
+        if config.data.images else {}
+    return Conditioning(tokens, pooled, negative, guidance, negative_pooled, **references)
 
 
 def _fixed_rewards(final_latents: torch.Tensor, prompt_ids: torch.Tensor, components: int = 0) -> torch.Tensor:
@@ -213,7 +219,8 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
             labeller = _Labeller(sim, engine, schedule)
             engine.phase_listener = labeller
             hyper = parts.policy.config.to_diffusers_config()
-            cond = _conditioning(config, hyper, parts.family.name, config.grpo.prompts_per_step)
+            cond = _conditioning(config, hyper, parts.family.name, config.grpo.prompts_per_step,
+                                 engine.plan.latent_shape)
             ids = torch.arange(config.grpo.prompts_per_step)
             ledger.tag_grad = True  # the grad mode is part of an allocation's label from here on
             _initialise_optimizer(sim, engine)

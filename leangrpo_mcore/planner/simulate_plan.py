@@ -53,6 +53,7 @@ def flags_config(work: Workload, *, height: int, width: int, frames: int, cfg_sc
         "parallel": {"layout": work.layout, "reshard_after_forward": work.reshard_after_forward,
                      "reduce_dtype": "float32" if work.precision.buffer_bytes == 4 else "bfloat16"},
         "optim": {"name": work.optimizer},
+        "data": {"images": work.tokens.get("reference", 0) > 0},
     }
     return build_config(data)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_ranks
-from tests.unit.test_schedules_parity import Case, rel_l2, run_case
+from tests.unit.test_schedules_parity import KONTEXT, Case, bitwise, check_parity, rel_l2, run_case
 
 pytestmark = pytest.mark.distributed
 
@@ -57,10 +57,16 @@ def _check(ranks: list, reference: dict, other_cp_rank: int) -> None:
 
 
 def test_cp2_schedules_equal_world_size_1():
+    """FLUX, Wan, and FLUX.1-Kontext, whose CP pair splits the generated and the reference tokens alike (Native
+    synced as Retain there: Retain bitwise Native, Reweight at the fp32 floor, at cp=2 itself too)."""
     cases = {f"{family}_{s}": case.but(schedule=s, cp=2)
-             for family, case in (("flux", FLUX), ("wan", WAN_LORA_KL)) for s in SCHEDULES}
-    ranks = run_ranks(_cp_runs, 2, cases, timeout=300)
+             for family, case in (("flux", FLUX), ("wan", WAN_LORA_KL), ("kontext", KONTEXT.but(sync="coalesced")))
+             for s in SCHEDULES}
+    ranks = run_ranks(_cp_runs, 2, cases, timeout=400)
     _check(ranks, _reference(cases), other_cp_rank=1)
+    for out in ranks:
+        check_parity(*(out[f"kontext_{s}"] for s in SCHEDULES))
+    assert bitwise(ranks[0]["kontext_retain"].params, ranks[1]["kontext_retain"].params)
 
 
 def test_cp2_tp2_schedules_equal_world_size_1():

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main as train_main
-from leangrpo_mcore.engine import checkpoint as ck
-from leangrpo_mcore.engine import ckpt_manifest
+from leangrpo_mcore.engine.checkpoint import manifest as ckpt_manifest
+from leangrpo_mcore.engine.checkpoint import save as ck
 from tests.distributed.launcher import run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -24,7 +24,7 @@ import torch
 
 from tests.ckpt_helpers import model_tensors
 from tests.distributed.launcher import run_ranks, train_ranks
-from tests.unit.test_schedules_parity import Case, rel_l2, run_case
+from tests.unit.test_schedules_parity import KONTEXT, Case, rel_l2, run_case
 
 pytestmark = pytest.mark.distributed
 
@@ -91,6 +91,8 @@ def two_stages():
     # untrained ones (forward-only)
     cases["flux_reweight_dance"] = FLUX.but(schedule="reweight", pp=2, selection="dance_grpo", fraction=0.6,
                                             advantage="dance_grpo", num_steps=5)
+    # FLUX.1-Kontext: the reference tokens travel in every boundary tensor
+    cases["kontext_reweight"] = KONTEXT.but(schedule="reweight", pp=2)
     return run_ranks(_run_all, 2, cases, timeout=400), _reference(cases)
 
 

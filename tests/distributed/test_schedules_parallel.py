@@ -1,4 +1,5 @@
-"""Schedule parity on 2 gloo ranks: FSDP2 (shared and conventional layouts) and tensor parallelism (TP=2).
+"""Schedule parity on 2 gloo ranks: FSDP2 (shared and conventional layouts) and tensor parallelism (TP=2), FLUX,
+FLUX.1-Kontext (reference tokens), Wan and SD3.
 
 One spawn runs every configuration on both ranks (start-up dominates the cost); the tests below read its
 results. Retain is bitwise equal to Native under the same gradient-sync mode (both per backward, or both
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_ranks
-from tests.unit.test_schedules_parity import MIX_FLASH, Case, bitwise, check_parity, rel_l2, run_case
+from tests.unit.test_schedules_parity import KONTEXT, MIX_FLASH, Case, bitwise, check_parity, rel_l2, run_case
 
 pytestmark = pytest.mark.distributed
 
@@ -42,6 +43,9 @@ def _all_configurations(rank: int, world_size: int) -> dict:
         # Native's gradients synced as Retain's (coalesced): then Retain is bitwise Native
         "sd3_shared_native": SD3_CFG_LORA_KL.but(sync="coalesced"),
         **{f"sd3_shared_{name}": SD3_CFG_LORA_KL.but(schedule=name) for name in ("retain", "reweight")},
+        # FLUX.1-Kontext: reference tokens in every forward (Native synced as Retain, coalesced)
+        "kontext_native": KONTEXT.but(sync="coalesced"),
+        **{f"kontext_{name}": KONTEXT.but(schedule=name) for name in ("retain", "reweight")},
     }
     for schedule in ("native", "retain", "reweight"):
         runs[f"gathered_{schedule}"] = GATHERED.but(schedule=schedule, reshard=False)
@@ -55,7 +59,7 @@ def _all_configurations(rank: int, world_size: int) -> dict:
     except ValueError as err:
         out["refused"] = str(err)
     destroy_parallel_context()
-    for family, case in (("flux", FLUX), ("wan", WAN_LORA_KL), ("sd3", SD3_CFG_LORA_KL)):
+    for family, case in (("flux", FLUX), ("wan", WAN_LORA_KL), ("sd3", SD3_CFG_LORA_KL), ("kontext", KONTEXT)):
         for schedule in ("native", "retain", "reweight"):
             out[f"tp_{family}_{schedule}"] = run_case(case.but(tp=2, schedule=schedule))
         destroy_parallel_context()
@@ -69,7 +73,7 @@ def results():
     torch.set_num_threads(1)  # the ranks run single-threaded kernels; so must the reference
     try:
         reference = {"flux": run_case(FLUX), "wan": run_case(WAN_LORA_KL), "sd3": run_case(SD3_CFG_LORA_KL),
-                     "mix": run_case(MIX_FLASH)}
+                     "mix": run_case(MIX_FLASH), "kontext": run_case(KONTEXT)}
     finally:
         torch.set_num_threads(threads)
     return ranks, reference
@@ -137,10 +141,20 @@ def test_fsdp_shared_layout_sd3_cfg_lora_kl(results):
         assert math.isclose(out["sd3_shared_native"].grad_norms[0], reference["sd3"].grad_norms[0], rel_tol=1e-6)
 
 
+def test_fsdp_shared_layout_flux_kontext_lora_kl(results):
+    ranks, reference = results
+    for out in ranks:
+        check_parity(out["kontext_native"], out["kontext_retain"], out["kontext_reweight"])
+        assert np.array_equal(out["kontext_native"].rewards, reference["kontext"].rewards)
+        assert rel_l2(reference["kontext"].grads[0], out["kontext_native"].grads[0]) < 1e-6
+        assert math.isclose(out["kontext_native"].grad_norms[0], reference["kontext"].grad_norms[0], rel_tol=1e-6)
+    assert not np.array_equal(ranks[0]["kontext_native"].trajectory, ranks[1]["kontext_native"].trajectory)
+
+
 def test_tensor_parallel(results):
     ranks, reference = results
     for out in ranks:
-        for family in ("flux", "wan", "sd3"):
+        for family in ("flux", "wan", "sd3", "kontext"):
             native, retain, reweight = (out[f"tp_{family}_{s}"] for s in ("native", "retain", "reweight"))
             check_parity(native, retain, reweight)
             np.testing.assert_allclose(native.rewards, reference[family].rewards, rtol=1e-5, atol=1e-5)

@@ -24,6 +24,7 @@ import pytest
 
 from tests.doc_commands import (Command, Sandbox, commands_of, config_word, fenced_blocks, file_blocks, free_port,
                                 override_words, produced_paths, program_words)
+from tests.kontext_checks import check_edit_run
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md"] + sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
@@ -92,6 +93,16 @@ NOT_RUN = {
     "--dst ckpt/sd35m-mcore": (WEIGHTS, "SD3.5 Medium's transformer"),
     "leangrpo-convert diffusers-to-mcore --model qwen_image --src /models/Qwen-Image/transformer "
     "--dst ckpt/qwen-image-mcore": (WEIGHTS, "Qwen-Image's transformer"),
+    'huggingface-cli download black-forest-labs/FLUX.1-Kontext-dev --local-dir models/FLUX.1-Kontext-dev --exclude '
+    '"flux1-kontext-dev.safetensors" "ae.safetensors"': (WEIGHTS, "downloads FLUX.1-Kontext-dev (about 34 GB)"),
+    "huggingface-cli download openai/clip-vit-large-patch14 --local-dir models/clip-vit-large-patch14": (
+        WEIGHTS, "downloads CLIP ViT-L/14"),
+    "torchrun --standalone --nproc-per-node 8 -m leangrpo_mcore.train "
+    "--config yaml_configs/flux_kontext/flowgrpo_edit.yaml model.path=models/FLUX.1-Kontext-dev/transformer "
+    "model.text_encoder_path=models/FLUX.1-Kontext-dev model.vae_path=models/FLUX.1-Kontext-dev/vae "
+    "reward.options.reward_options.clip_consistency.path=models/clip-vit-large-patch14 "
+    "reward.options.reward_options.clip_score.path=models/clip-vit-large-patch14 data.prompts=datasets/kontext_edit": (
+        GPU, "FLUX.1-Kontext-dev on 8 GPUs from the downloads"),
     # several machines
     "NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 examples/train_multi_node.sh yaml_configs/wan/dancegrpo_wan21_1.3b.yaml": (
         CLUSTER, "waits for the other node at MASTER_ADDR"),
@@ -165,6 +176,9 @@ def _demo_rewards_rise(output: str, sandbox: Path) -> None:
 CHECKS = {
     "torchrun --standalone --nproc-per-node 2 -m leangrpo_mcore.train "
     "--config yaml_configs/demo/tiny_flux_cpu.yaml": _demo_rewards_rise,
+    # docs/walkthrough.md, "Editing with Kontext": the tiny edit run's [source | result] grids and evaluation
+    "torchrun --standalone --nproc-per-node 2 -m leangrpo_mcore.train "
+    "--config yaml_configs/flux_kontext/tiny_edit.yaml": check_edit_run,
 }
 """What a command's page says it does, beyond its exit code and the files it names."""
 

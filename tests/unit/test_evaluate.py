@@ -18,7 +18,7 @@ from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.eval_run import evaluate_model
 from leangrpo_mcore.engine.evaluate import reward_summary
 from leangrpo_mcore.engine.launch import init_distributed, shutdown
-from leangrpo_mcore.engine.run_dir import RunDir, prepare
+from leangrpo_mcore.engine.output.run_dir import RunDir, prepare
 from leangrpo_mcore.parallel.mesh import destroy_parallel_context
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 

@@ -24,6 +24,7 @@ from leangrpo_mcore.planner.arch_specs import (
 # published config.json files (diffusers 0.42.1), and the sizes the model names advertise.
 DIFFUSERS_COUNTS = {"flux-dev": 11_901_408_320, "wan2.1-1.3b": 1_418_996_800, "wan2.1-14b": 14_288_491_584,
                     "wan2.2-ti2v-5b": 4_999_787_712, "sd3.5-medium": 2_243_171_520, "sd3.5-large": 8_056_627_520,
+                    "flux-kontext-dev": 11_901_408_320,  # FLUX.1-Kontext-dev: FLUX.1-dev's transformer
                     "qwen-image": 20_430_401_088}
 # (SD3.5-M's advertised 2.5B counts its 0.23B positional table, a buffer: not listed.)
 PUBLISHED = {"flux-dev": 12e9, "wan2.1-14b": 14e9, "wan2.2-ti2v-5b": 5e9, "sd3.5-large": 8.1e9, "qwen-image": 20e9}

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main
-from leangrpo_mcore.engine.preemption import exit_code
-from leangrpo_mcore.engine.run_lock import LOCK_NAME, RunLock, read_holder
-from leangrpo_mcore.engine.watchdog import EXIT_STEP_TIMEOUT, Phase, laggard
+from leangrpo_mcore.engine.control.lock import LOCK_NAME, RunLock, read_holder
+from leangrpo_mcore.engine.control.preemption import exit_code
+from leangrpo_mcore.engine.control.watchdog import EXIT_STEP_TIMEOUT, Phase, laggard
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -64,7 +64,7 @@ def test_a_lock_held_by_another_process_names_it(tmp_path, capsys):
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from leangrpo_mcore.engine.run_lock import RunLock
+        from leangrpo_mcore.engine.control.lock import RunLock
         lock = RunLock.acquire({str(run)!r})
         print("held", flush=True)
         time.sleep(60)
@@ -182,7 +182,7 @@ def test_laggard_is_the_rank_behind_every_other():
 def test_the_watchdog_ends_a_stalled_phase_with_one_line(tmp_path):
     script = textwrap.dedent("""
         import time
-        from leangrpo_mcore.engine.watchdog import StepWatchdog
+        from leangrpo_mcore.engine.control.watchdog import StepWatchdog
         dog = StepWatchdog(0.3, 0, 1, setting="train.step_timeout_minutes=0.005")
         dog.enter("reward", 7)
         time.sleep(30)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from leangrpo_mcore.engine import metrics, run_dir, samples
+from leangrpo_mcore.engine.output import metrics, run_dir, samples
 from leangrpo_mcore.errors import UserError
 
 

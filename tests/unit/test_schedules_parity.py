@@ -81,6 +81,8 @@ class Case:
     """sampler.ode_steps_after_window (0: no compression)."""
     step: int = 5
     """The training step number (seeds; a progressive window's position)."""
+    reference: bool = False
+    """A conditioning image per prompt (FLUX.1-Kontext: its tokens beside the generated ones in every forward)."""
 
     def but(self, **changes) -> "Case":
         """A copy with ``changes``."""
@@ -159,6 +161,8 @@ def _setup(case: Case, pp_rank: int = 0):
         shape, kind, noise = (16, 16), case.sde_kind or "flow_grpo", 0.9
         cond = Conditioning(encoder_hidden_states=torch.randn(p, 5, 32, generator=gen),
                             pooled_projections=torch.randn(p, 24, generator=gen), guidance=torch.full((p,), 3.5))
+        if case.reference:
+            cond = dataclasses.replace(cond, reference_latents=torch.randn(p, *shape, generator=gen))
     elif case.family == "sd3":
         # CFG 4.5 with a negative prompt's tokens and pooled vector, as FlowGRPO's SD3.5-M runs
         velocity = SD3Velocity(policy, cfg_scale=4.5)
@@ -334,6 +338,19 @@ def test_flux_lora_kl_global_std_sde_window_micro_batch():
     assert rel_l2(native.grads[0], affine.grads[0]) < 4e-6  # measured 9.1e-7
 
 
+# FLUX.1-Kontext: every forward sees the prompt's reference tokens beside the generated ones (32 tokens, the second
+# half with RoPE image index 1), and its velocity is the generated half's
+KONTEXT = Case(family="flux", reference=True, lora=True, kl_beta=20.0)
+
+
+def test_flux_kontext_reference_tokens_lora_kl_micro_batch():
+    case = KONTEXT.but(micro_batch=2)
+    native, retain, reweight = run_three(case)
+    check_parity(native, retain, reweight, per_sample=True, tol=2e-6)  # measured 5.5e-7
+    plain = run_case(case.but(reference=False))
+    assert rel_l2(native.grads[0], plain.grads[0]) > 1e-2  # the reference tokens are part of every forward
+
+
 def test_sd3_cfg_dual_attention_lora_kl():
     case = Case(family="sd3", lora=True, kl_beta=10.0)
     native, retain, reweight = run_three(case)
@@ -402,7 +419,7 @@ def test_reweight_micro_batches_train_every_sample_of_the_per_sample_forwards(mi
 
 
 def test_only_reweight_asks_the_rollout_for_per_sample_forwards(monkeypatch):
-    import leangrpo_mcore.engine.step as step
+    import leangrpo_mcore.engine.step.rollout as step
 
     asked, real = [], step.RolloutLoop
     monkeypatch.setattr(step, "RolloutLoop", lambda *a, **k: asked.append(k["per_sample_grad"]) or real(*a, **k))

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from leangrpo_mcore.cli.train import main as train_main
-from leangrpo_mcore.engine import samples
-from leangrpo_mcore.engine.video import save_video_grid
+from leangrpo_mcore.engine.output import samples
+from leangrpo_mcore.engine.output.video import save_video_grid
 from leangrpo_mcore.errors import UserError
 from tests.unit.test_wandb_log import offline as offline_wandb  # noqa: F401 -- the fixture
 
@@ -118,7 +118,7 @@ def test_tiny_wan_run_writes_an_mp4_next_to_the_png_and_its_evaluation_one(offli
 
 
 def test_run_dir_names_train_and_eval_samples(tmp_path):
-    from leangrpo_mcore.engine.run_dir import RunDir
+    from leangrpo_mcore.engine.output.run_dir import RunDir
 
     run = RunDir(str(tmp_path))
     assert run.sample_path(3) == os.path.join(str(tmp_path), "samples", "step_3.png")

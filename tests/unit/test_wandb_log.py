@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main as train_main
-from leangrpo_mcore.engine.wandb_log import RUN_ID_FILE, resolve_run_id
+from leangrpo_mcore.engine.output.wandb_log import RUN_ID_FILE, resolve_run_id
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -117,7 +117,7 @@ def test_offline_run_and_resume_continue_one_wandb_run(offline, tmp_path):
 def test_only_finite_numbers_are_logged(offline):
     import wandb
 
-    from leangrpo_mcore.engine.wandb_log import WandbRun
+    from leangrpo_mcore.engine.output.wandb_log import WandbRun
 
     logger = WandbRun(wandb, wandb.init(mode="offline", id="finite01", dir=str(offline),
                                         settings=wandb.Settings(console="off")))

@@ -136,11 +136,16 @@ def _flux(guidance: bool) -> dict:
             "pooled_projection_dim": 768, "guidance_embeds": guidance, "axes_dims_rope": [16, 56, 56]}
 
 
+_TINY = {"patch_size": 1, "in_channels": 16, "out_channels": None, "num_layers": 1, "num_single_layers": 1,
+         "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 24,
+         "guidance_embeds": True, "axes_dims_rope": [4, 6, 6]}
+
 PRESETS: dict[str, dict] = {
     "flux-dev": _flux(guidance=True),
     "flux-schnell": _flux(guidance=False),
-    "flux-tiny": {"patch_size": 1, "in_channels": 16, "out_channels": None, "num_layers": 1,
-                  "num_single_layers": 1, "attention_head_dim": 16, "num_attention_heads": 2,
-                  "joint_attention_dim": 32, "pooled_projection_dim": 24, "guidance_embeds": True,
-                  "axes_dims_rope": [4, 6, 6]},
+    # FLUX.1-Kontext-dev shares FLUX.1-dev's transformer layout; what makes it an editor is the conditioning image
+    # (data.images), whose tokens it attends to beside the generated ones.
+    "flux-kontext-dev": _flux(guidance=True),
+    "flux-tiny": dict(_TINY),
+    "flux-kontext-tiny": dict(_TINY),
 }

@@ -3,12 +3,13 @@
 ``build_reward(name, **options)`` returns a ``ValidatedReward``; ``available_rewards()`` lists the names.
 Registered here: ``jpeg_compressibility``, ``jpeg_incompressibility`` (DDPO), ``ocr`` (FlowGRPO-style,
 needs the ``ocr`` extra), the learned ``pickscore``, ``clip_score``, ``aesthetic`` and ``hpsv2`` (CLIP models,
-the ``rewards`` extra), ``weighted`` (a weighted sum of the others) and ``remote`` (an HTTP reward server).
+the ``rewards`` extra), ``weighted`` (a weighted sum of the others), ``remote`` (an HTTP reward server) and the
+rewards that compare a sample with its conditioning image, ``clip_consistency`` and ``first_frame_consistency``.
 Every reward also scores videos (B, 3, F, H, W) on the frames that option ``frames`` picks (:mod:`.base`).
 Rewards outside the package: ``package.module:callable`` or an installed entry point (:mod:`.plugins`).
 """
 
-from . import aesthetic, clip_score, hpsv2, jpeg, ocr, pickscore, remote, weighted  # noqa: F401 -- registers them
+from . import aesthetic, clip_score, consistency, hpsv2, jpeg, ocr, pickscore, remote, weighted  # noqa: F401
 from .aesthetic import AestheticReward, aesthetic_mlp
 from .base import (
     RewardError,
@@ -22,6 +23,7 @@ from .base import (
 )
 from .clip_models import ImageTransform
 from .clip_score import ClipScoreReward
+from .consistency import ClipConsistencyReward, first_frame_consistency
 from .hpsv2 import HpsV2Reward
 from .jpeg import jpeg_sizes_kb
 from .ocr import OcrReward, extract_quoted_text, levenshtein, ocr_text_score
@@ -34,6 +36,7 @@ from .weighted import WeightedReward
 __all__ = [
     "REWARDS",
     "AestheticReward",
+    "ClipConsistencyReward",
     "ClipScoreReward",
     "HpsV2Reward",
     "ImageTransform",
@@ -51,6 +54,7 @@ __all__ = [
     "check_reward_output",
     "clip_config_from_openclip",
     "extract_quoted_text",
+    "first_frame_consistency",
     "frame_indices",
     "images_to_uint8",
     "jpeg_sizes_kb",

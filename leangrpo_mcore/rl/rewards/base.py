@@ -1,6 +1,8 @@
 """The reward contract and its guard.
 
-A reward is a callable ``(images (B, 3, H, W) float in [0, 1], prompts: list[str]) -> (B,) float32``.
+A reward is a callable ``(images (B, 3, H, W) float in [0, 1], prompts: list[str]) -> (B,) float32``. It may
+declare the keywords ``metadata`` (each prompt's dataset fields) and ``reference_images`` (each sample's
+conditioning image, (B, 3, H, W) float in [0, 1] at the run's resolution, in runs with ``data.images``).
 ``ValidatedReward`` wraps one so that a reward that raises, or returns a wrong shape or non-finite
 values, stops training with a one-line ``RewardError`` naming it instead of a silent NaN (a reward calling
 ``sys.exit`` included; ``LEANGRPO_TRACEBACK=1`` prints the reward's own traceback on the rank where it failed,
@@ -115,12 +117,27 @@ def check_reward_output(name: str, values: object, batch_size: int) -> Tensor:
     return values
 
 
-def takes_metadata(fn: object) -> bool:
-    """Whether the reward function (or a callable object's ``__call__``) declares a ``metadata`` parameter."""
+def takes_keyword(fn: object, name: str) -> bool:
+    """Whether the reward function (or a callable object's ``__call__``) declares a parameter ``name``."""
     try:
-        return "metadata" in inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # some C callables have no introspectable signature
         return False
+
+
+def takes_metadata(fn: object) -> bool:
+    """Whether the reward function (or a callable object's ``__call__``) declares a ``metadata`` parameter."""
+    return takes_keyword(fn, "metadata")
+
+
+def check_reference_images(references: object, batch: int) -> Tensor:
+    """``references`` as a float (batch, 3, H, W) tensor; ValueError otherwise."""
+    if not isinstance(references, Tensor) or references.ndim != 4 or references.shape[:2] != (batch, 3):
+        raise ValueError(f"reference_images must be a ({batch}, 3, H, W) tensor, got shape "
+                         f"{tuple(getattr(references, 'shape', ()))}")
+    if not references.dtype.is_floating_point:
+        raise ValueError(f"reference_images must be floating point in [0, 1], got {references.dtype}")
+    return references
 
 
 class ValidatedReward:
@@ -135,6 +152,8 @@ class ValidatedReward:
         self.frames = parse_frames(frames)
         self.takes_metadata = takes_metadata(fn)
         """Whether ``fn`` declares a ``metadata`` keyword: it then gets each prompt's metadata dict too."""
+        self.takes_reference_images = takes_keyword(fn, "reference_images")
+        """Whether ``fn`` declares a ``reference_images`` keyword: it then gets each sample's conditioning image."""
         self._executor: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
 
@@ -157,20 +176,35 @@ class ValidatedReward:
         values = check_reward_output(self.name, values, batch * k)
         return values if k == 1 else values.view(batch, k).to(torch.float64).mean(dim=1).to(torch.float32)
 
-    def _extra(self, metadata: Optional[Sequence[dict]], batch: int, k: int) -> dict:
-        """The ``metadata=`` keyword for the function (each video's dict repeated for its k frames), or nothing."""
-        if not self.takes_metadata:
-            return {}
-        rows = list(metadata) if metadata is not None else [{} for _ in range(batch)]
-        if len(rows) != batch:
-            raise ValueError(f"metadata must hold one dict per sample ({batch}), got {len(rows)}")
-        return {"metadata": [row for row in rows for _ in range(k)]}
+    @property
+    def needs_reference_images(self) -> bool:
+        """Whether the reward compares with the conditioning image (a weighted reward: whether a component does)."""
+        return self.takes_reference_images and bool(getattr(self.fn, "needs_reference_images", True))
 
-    def __call__(self, images: Tensor, prompts: List[str], metadata: Optional[Sequence[dict]] = None) -> Tensor:
+    def _extra(self, metadata: Optional[Sequence[dict]], batch: int, k: int,
+               references: Optional[Tensor] = None) -> dict:
+        """The ``metadata=`` and ``reference_images=`` keywords the function declares (a video's entries repeated
+        for its k frames)."""
+        extra: dict = {}
+        if self.takes_metadata:
+            rows = list(metadata) if metadata is not None else [{} for _ in range(batch)]
+            if len(rows) != batch:
+                raise ValueError(f"metadata must hold one dict per sample ({batch}), got {len(rows)}")
+            extra["metadata"] = [row for row in rows for _ in range(k)]
+        if self.takes_reference_images:
+            if references is not None:
+                references = check_reference_images(references, batch)
+                references = references.repeat_interleave(k, dim=0) if k > 1 else references
+            extra["reference_images"] = references
+        return extra
+
+    def __call__(self, images: Tensor, prompts: List[str], metadata: Optional[Sequence[dict]] = None,
+                 reference_images: Optional[Tensor] = None) -> Tensor:
         """Evaluate the reward; RewardError if it raises or returns a bad value. ``metadata`` (one dict per sample:
-        the other fields of a prompt's metadata line) reaches a function that declares a ``metadata`` keyword."""
+        the other fields of a prompt's metadata line) reaches a function that declares a ``metadata`` keyword,
+        ``reference_images`` (B, 3, H, W) one that declares ``reference_images``."""
         flat, flat_prompts, k = self._flatten(images, prompts)
-        extra = self._extra(metadata, flat.shape[0] // k, k)
+        extra = self._extra(metadata, flat.shape[0] // k, k, reference_images)
         try:
             values = self.fn(flat, flat_prompts, **extra)
         except RewardError:
@@ -179,8 +213,8 @@ class ValidatedReward:
             raise self._error(exc) from exc
         return self._finish(values, flat.shape[0] // k, k)
 
-    def submit(self, images: Tensor, prompts: Sequence[str],
-               metadata: Optional[Sequence[dict]] = None) -> "Future[Tensor]":
+    def submit(self, images: Tensor, prompts: Sequence[str], metadata: Optional[Sequence[dict]] = None,
+               reference_images: Optional[Tensor] = None) -> "Future[Tensor]":
         """Score in the background: a Future of what calling the reward returns, or of its RewardError.
 
         A reward with its own ``submit(images, prompts) -> Future`` gets the batch (the remote reward copies
@@ -195,11 +229,11 @@ class ValidatedReward:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"reward-{self.name}")
                 executor = self._executor
-            return executor.submit(self, images, list(prompts), metadata)
+            return executor.submit(self, images, list(prompts), metadata, reference_images)
         outer: Future = Future()
         batch = flat.shape[0] // k
         try:
-            inner = own(flat, flat_prompts, **self._extra(metadata, batch, k))
+            inner = own(flat, flat_prompts, **self._extra(metadata, batch, k, reference_images))
         except PLUGIN_FAILURES as exc:
             outer.set_exception(self._error(exc))
             return outer

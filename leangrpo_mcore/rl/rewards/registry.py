@@ -49,8 +49,9 @@ def _signature(obj: Any) -> Optional[inspect.Signature]:
 
 
 def _check_call(name: str, fn: Any, options: Dict[str, Any]) -> None:
-    """UserError unless ``fn(images, prompts, **options)`` binds (with ``metadata=`` where ``fn`` declares it: a
-    reward may take each prompt's metadata dict, see :class:`~leangrpo_mcore.rl.rewards.base.ValidatedReward`)."""
+    """UserError unless ``fn(images, prompts, **options)`` binds (with ``metadata=`` and ``reference_images=``
+    where ``fn`` declares them: a reward may take each prompt's metadata dict and each sample's conditioning image,
+    see :class:`~leangrpo_mcore.rl.rewards.base.ValidatedReward`)."""
     signature = _signature(fn)
     if signature is None:
         return
@@ -59,7 +60,8 @@ def _check_call(name: str, fn: Any, options: Dict[str, Any]) -> None:
     except TypeError:
         raise UserError(f"reward '{name}' must be callable as (images, prompts); its signature is "
                         f"{signature}") from None
-    extra = {"metadata": None} if "metadata" in signature.parameters and "metadata" not in options else {}
+    extra = {key: None for key in ("metadata", "reference_images")
+             if key in signature.parameters and key not in options}
     try:
         signature.bind(None, None, **options, **extra)
     except TypeError as exc:

@@ -48,11 +48,17 @@ class WeightedReward:
             name: build_reward(name, **dict(reward_options.get(name, {}))) for name in self.weights
         }
 
-    def component_values(self, images: Tensor, prompts: List[str],
-                         metadata: Optional[List[dict]] = None) -> Dict[str, Tensor]:
-        """Each component's validated rewards (B,) float32, before normalisation and weighting (``metadata``
-        reaches the components that take it)."""
-        return {name: reward(images, prompts, metadata) for name, reward in self.components.items()}
+    @property
+    def needs_reference_images(self) -> bool:
+        """Whether a component compares with the conditioning image."""
+        return any(reward.needs_reference_images for reward in self.components.values())
+
+    def component_values(self, images: Tensor, prompts: List[str], metadata: Optional[List[dict]] = None,
+                         reference_images: Optional[Tensor] = None) -> Dict[str, Tensor]:
+        """Each component's validated rewards (B,) float32, before normalisation and weighting (``metadata`` and
+        ``reference_images`` reach the components that take them)."""
+        return {name: reward(images, prompts, metadata, reference_images)
+                for name, reward in self.components.items()}
 
     def combine(self, values: Mapping[str, Tensor]) -> Tensor:
         """The weighted (optionally z-scored) sum (B,) float32 of component values."""
@@ -64,15 +70,16 @@ class WeightedReward:
             columns.append(value)
         return weighted_sum(torch.stack(columns, dim=-1), list(self.weights.values()))
 
-    def scored_components(self, images: Tensor, prompts: List[str],
-                          metadata: Optional[List[dict]] = None) -> Tuple[Tensor, Tensor]:
+    def scored_components(self, images: Tensor, prompts: List[str], metadata: Optional[List[dict]] = None,
+                          reference_images: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """(components (B, K) float32 in the order of ``weights``, their :meth:`combine` (B,) float32).
 
         The per-component rewards that ``reward.aggregate: advantages`` turns into one group advantage each.
         """
-        values = self.component_values(images, prompts, metadata)
+        values = self.component_values(images, prompts, metadata, reference_images)
         return torch.stack([values[name] for name in self.weights], dim=1), self.combine(values)
 
-    def __call__(self, images: Tensor, prompts: List[str], metadata: Optional[List[dict]] = None) -> Tensor:
+    def __call__(self, images: Tensor, prompts: List[str], metadata: Optional[List[dict]] = None,
+                 reference_images: Optional[Tensor] = None) -> Tensor:
         """Weighted reward (B,) float32 of images (B, 3, H, W) in [0, 1]."""
-        return self.combine(self.component_values(images, prompts, metadata))
+        return self.combine(self.component_values(images, prompts, metadata, reference_images))

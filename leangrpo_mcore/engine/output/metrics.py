@@ -1,8 +1,8 @@
 """Per-step metrics: one flat JSON object per step into ``metrics.jsonl``, TensorBoard scalars (and wandb's, see
-:mod:`leangrpo_mcore.engine.wandb_log`), progress output (bars on a terminal, one line per step otherwise).
+:mod:`leangrpo_mcore.engine.output.wandb_log`), progress output (bars on a terminal, one line per step otherwise).
 
 Only rank 0 writes. Rows are flushed line by line, so a killed run leaves at most one torn last line (which
-:func:`~leangrpo_mcore.engine.run_dir.read_metrics` ignores). NaN/inf values are written as the strings
+:func:`~leangrpo_mcore.engine.output.run_dir.read_metrics` ignores). NaN/inf values are written as the strings
 ``"nan"``/``"inf"`` (JSON has no such numbers) and left out of TensorBoard. A failed write is one line naming
 the file (see :class:`MetricsLogger`).
 """
@@ -23,7 +23,7 @@ from leangrpo_mcore.engine.launch import LOGGER_NAME
 from leangrpo_mcore.errors import UserError
 
 if TYPE_CHECKING:
-    from leangrpo_mcore.engine.wandb_log import WandbRun
+    from leangrpo_mcore.engine.output.wandb_log import WandbRun
 
 Scalar = float | int
 

@@ -1,6 +1,6 @@
 """Video sample grids: an H.264 mp4 whose every frame is the sample grid of that frame (the ``video`` extra).
 
-Each frame is laid out as the PNG grid of :mod:`leangrpo_mcore.engine.samples` (one :class:`GridLayout`, so the
+Each frame is laid out as the PNG grid of :mod:`leangrpo_mcore.engine.output.samples` (one :class:`GridLayout`, so the
 captions sit in the same place throughout the clip). ffmpeg comes from the imageio-ffmpeg wheel; H.264 in
 yuv420p needs an even width and height, so the grid is padded with white on the right and bottom. The file is
 written to a temporary ``.mp4`` (ffmpeg picks the container from the name) and renamed, so a killed run never
@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from leangrpo_mcore.engine.samples import GridLayout, video_to_uint8
+from leangrpo_mcore.engine.output.samples import GridLayout, video_to_uint8
 from leangrpo_mcore.errors import UserError, require_extra
 
 CODEC = "libx264"

@@ -1,8 +1,10 @@
 """Sample grids: generated images side by side, each captioned with its prompt and reward (PIL).
 
-Video samples are shown by their first frame here; :mod:`leangrpo_mcore.engine.video` writes the whole clip,
+Video samples are shown by their first frame here; :mod:`leangrpo_mcore.engine.output.video` writes the whole clip,
 one :class:`GridLayout` frame per video frame. Images are float tensors in [0, 1]; the grid is written through a
-temporary file and a rename, so a killed run never leaves a truncated PNG.
+temporary file and a rename, so a killed run never leaves a truncated PNG. In an image-conditioned run each tile is
+[source | result] (:func:`beside_sources`): the conditioning image, a white gap, the sample; in a video grid the
+source stands beside every frame of the clip.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from leangrpo_mcore.errors import UserError
 CAPTION_LINES = 3
 _LINE_HEIGHT = 12
 _GAP = 4
+SOURCE_GAP = 2
+"""White pixels between a conditioning image and its sample in a [source | result] tile."""
 
 
 def first_frames(images: torch.Tensor) -> torch.Tensor:
@@ -46,6 +50,23 @@ def video_to_uint8(videos: torch.Tensor) -> np.ndarray:
         raise ValueError(f"videos must be (B, 3, F, H, W), got {tuple(videos.shape)}")
     pixels = torch.nan_to_num(videos.detach().float(), nan=0.0).clamp(0.0, 1.0)
     return (pixels * 255.0).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu().numpy()
+
+
+def beside_sources(samples: np.ndarray, sources: np.ndarray) -> np.ndarray:
+    """[source | result] tiles: images (B, H, W, 3) or videos (B, F, H, W, 3) uint8, each with its conditioning
+    image (B, h, w, 3) uint8 on the left (scaled to H x W with nearest neighbours where its size differs) and
+    :data:`SOURCE_GAP` white columns between them; a video's source stands beside every frame."""
+    video = samples.ndim == 5
+    height, width = samples.shape[-3:-1]
+    if sources.ndim != 4 or sources.shape[0] != samples.shape[0] or samples.ndim not in (4, 5):
+        raise ValueError(f"beside_sources: samples {samples.shape} and sources {sources.shape} do not pair up")
+    if sources.shape[1:3] != (height, width):
+        sources = np.stack([np.asarray(Image.fromarray(src).resize((width, height), Image.NEAREST))
+                            for src in sources])
+    if video:
+        sources = np.broadcast_to(sources[:, None], (*samples.shape[:2], *sources.shape[1:]))
+    gap = np.full((*samples.shape[:-2], SOURCE_GAP, 3), 255, dtype=np.uint8)
+    return np.concatenate([sources, gap, samples], axis=-2)
 
 
 def _caption(prompt: str, reward: float, width_chars: int) -> list[str]:

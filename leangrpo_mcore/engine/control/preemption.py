@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.engine.launch import collective_device
-from leangrpo_mcore.engine.run_dir import RunDir
+from leangrpo_mcore.engine.output.run_dir import RunDir
 
 SIGNAL_NAMES = ("TERM", "INT", "USR1")
 """The signals ``train.save_on_signal`` may name."""
