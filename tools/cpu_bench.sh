@@ -3,7 +3,7 @@
 #
 #   . .venv/bin/activate && tools/cpu_bench.sh [OUT_DIR [NAME ...]]   (default runs/bench/cpu; an idle machine)
 #
-# With NAMEs only those runs (e.g. tools/cpu_bench.sh runs/bench/cpu flux_flowgrpo_ws2 sd3_flowgrpo_ws1).
+# With NAMEs only those runs (e.g. tools/cpu_bench.sh runs/bench/cpu flux_flowgrpo_ws2 qwen_image_flowgrpo_ws1).
 # Every run writes OUT_DIR/NAME.{json,md,png} and its log OUT_DIR/NAME.log. World size 1 runs one process with
 # one thread; world size 2 runs two gloo ranks of one thread each, so a rank computes alike in both.
 set -euo pipefail
@@ -47,6 +47,8 @@ one sweep_selected_ws1     --config $B/flux_sweep.yaml --steps 3 --warmup 1 \
 two sweep_tokens_ws2       --config $B/flux_sweep.yaml --steps 3 --warmup 1 --sweep sampler.height=128,256,512
 two sd3_flowgrpo_ws2       --config $B/sd3_flowgrpo.yaml       --schedules $ALL --steps 3 --warmup 1 --check-parity
 one sd3_flowgrpo_ws1       --config $B/sd3_flowgrpo.yaml       --steps 3 --warmup 1
+two qwen_image_flowgrpo_ws2 --config $B/qwen_image_flowgrpo.yaml --schedules $ALL --steps 3 --warmup 1 --check-parity
+one qwen_image_flowgrpo_ws1 --config $B/qwen_image_flowgrpo.yaml --steps 3 --warmup 1
 # FLUX.1-Kontext editing: the source image's tokens beside the generated ones (the demo dataset, read by DALI)
 if wanted kontext_flowgrpo_ws2 && [ ! -f runs/edit_demo/data/train_metadata.jsonl ]; then
   python tools/make_edit_demo.py runs/edit_demo > /dev/null

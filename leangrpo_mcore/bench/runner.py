@@ -133,6 +133,8 @@ class Bench:
         """Process CPU time of the last :meth:`step`."""
         self.grad_buffers: dict[str, int] = {}
         """Most provisional gradients held at once in a step, per label (Reweight)."""
+        self.text_tokens: list[int] = []
+        """Text tokens of each measured round's prompts (trimmed per step by a masked family)."""
 
     @staticmethod
     def _layout_of(label: str, own: str) -> str:
@@ -166,8 +168,11 @@ class Bench:
         """Interleaved rounds; the measured steps of each label (warm-up rounds dropped)."""
         opts = self.options
         samples: dict[str, list[StepSample]] = {label: [] for label in self.labels}
+        self.text_tokens = []
         for round_index in range(opts.warmup + opts.steps):
             inputs = self.inputs(round_index)
+            if round_index >= opts.warmup:
+                self.text_tokens.append(int(inputs.conditioning.encoder_hidden_states.shape[1]))
             for label in self.labels:
                 seconds, result = self.step(label, inputs)
                 self.grad_buffers[label] = max(u.max_local_grad_buffers for u in result.updates)
@@ -254,15 +259,20 @@ class Bench:
 
     def throughput(self) -> dict[str, dict]:
         """Per label: the FLOP count of its step (model FLOPs over all ranks, the sample-passes of one
-        data-parallel rank by kind) and the throughput scalars' inputs, as the trainer logs them."""
+        data-parallel rank by kind) and the throughput scalars' inputs, as the trainer logs them (a family that
+        trims its prompts per step: the mean count over the measured rounds' text lengths)."""
         out = {}
+        lengths = self.text_tokens
         for label, arm in self.arm_of.items():
             config, schedule = arm.config, arm.engines[label].plan.schedule
             meter = step_throughput(config, schedule, self.dist.world_size, self.dist.device)
             starts = [start for start in self.window_starts() if start is not None]
             flops = step_flops_for_config(config, schedule, window_start=starts[0] if starts else None)
+            per_step = meter.flops_per_step
+            if per_step is not None and meter.flops_for_text is not None and lengths:
+                per_step = sum(meter.flops_for_text(n) for n in lengths) / len(lengths)
             out[label] = {"samples_per_step": meter.samples_per_step, "devices": meter.devices,
-                          "flops_per_step": meter.flops_per_step, "peak_tflops": meter.peak_tflops,
+                          "flops_per_step": per_step, "peak_tflops": meter.peak_tflops,
                           "passes_per_rank": flops.per_rank_counts(arm.pctx.dp_size)}
         return out
 
@@ -308,8 +318,8 @@ def _load_average() -> Optional[list[float]]:
 
 
 def _tokens(family: str, latent_shape: tuple[int, ...], policy: torch.nn.Module) -> int:
-    """Image tokens the policy attends over: FLUX packed tokens, SD3 and Wan latent patches."""
-    if family == "flux":
+    """Image tokens the policy attends over: FLUX and Qwen-Image packed tokens, SD3 and Wan latent patches."""
+    if family in ("flux", "qwen_image"):
         return int(latent_shape[0])
     if family == "sd3":
         patch = policy.config.patch_size

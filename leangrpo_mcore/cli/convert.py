@@ -1,6 +1,6 @@
 """`leangrpo-convert`: convert transformer checkpoints between diffusers and our policy format.
 
-  leangrpo-convert diffusers-to-mcore --model {flux,sd3,wan} --src DIFFUSERS_TRANSFORMER_DIR --dst DIR
+  leangrpo-convert diffusers-to-mcore --model {flux,qwen_image,sd3,wan} --src DIFFUSERS_TRANSFORMER_DIR --dst DIR
   leangrpo-convert mcore-to-diffusers --src DIR --dst DIR [--keep-lora]
 
 The diffusers side is a transformer directory (``config.json`` + ``*.safetensors``, sharded index
@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert transformer checkpoints between diffusers and the leangrpo_mcore format.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     to_ours = sub.add_parser("diffusers-to-mcore", help="diffusers transformer dir -> our checkpoint")
-    to_ours.add_argument("--model", required=True, choices=("flux", "sd3", "wan"), help="model family of --src")
+    to_ours.add_argument("--model", required=True, choices=("flux", "qwen_image", "sd3", "wan"),
+                         help="model family of --src")
     to_ours.add_argument("--src", required=True, help="diffusers transformer directory (config.json + *.safetensors)")
     to_ours.add_argument("--dst", required=True, help="output directory (our format)")
     to_ours.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")

@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 from leangrpo_mcore.config.fields import option
 
 SDE_KINDS = ("flow_grpo", "flow_grpo_cps", "wan", "dance_grpo")
-SIGMA_SCHEDULES = ("flux", "sd3", "dance", "wan")
+SIGMA_SCHEDULES = ("flux", "sd3", "dance", "wan", "qwen_image")
 
 
 @dataclass
@@ -28,14 +28,17 @@ class SamplerConfig:
     kind but wan (whose step sets its own noise): GRPO's log-probabilities need a stochastic rollout. The
     deterministic ODE rollout is evaluation's (eval.noise_level: 0)."""
     sigma_schedule: str = option("flux", choices=SIGMA_SCHEDULES)
-    """Sigma schedule: flux (dynamic shift from the token count), sd3 / wan (static shift), dance (time shift)."""
+    """Sigma schedule: flux (dynamic shift from the token count), qwen_image (Qwen-Image's: dynamic shift, stretched
+    to end at 0.02), sd3 / wan (static shift), dance (time shift)."""
     shift: Optional[float] = option(None, gt=0.0)
-    """Static shift of the sd3, wan and dance schedules (unused by flux, whose shift depends on tokens); null = the
+    """Static shift of the sd3, wan and dance schedules (unused by flux and qwen_image, whose shift depends on
+    tokens); null = the
     shift of the pipeline's scheduler/scheduler_config.json when model.path is a diffusers pipeline root, else 3.0."""
     guidance_scale: float = option(3.5, ge=0.0)
     """Guidance-embedding value given to a guidance-distilled policy (FLUX.1-dev: 3.5)."""
     cfg_scale: float = option(1.0, ge=1.0)
-    """Two-branch classifier-free guidance scale (Wan: 5.0); 1.0 disables the unconditional branch."""
+    """Two-branch classifier-free guidance scale (Wan: 5.0; Qwen-Image's true CFG, rescaled to the conditional
+    velocity's norm: 4.0); 1.0 disables the unconditional branch."""
     height: int = option(512, ge=16)
     """Image height in pixels."""
     width: int = option(512, ge=16)
@@ -43,8 +46,8 @@ class SamplerConfig:
     frames: int = option(1, ge=1)
     """Video frames in pixel space (1 for images)."""
     negative_prompt: str = ""
-    """Prompt of the unconditional branch of classifier-free guidance (Wan, SD3), used when cfg_scale > 1 (a
-    precomputed text-embedding cache must hold it)."""
+    """Prompt of the unconditional branch of classifier-free guidance (Wan, SD3, Qwen-Image), used when cfg_scale >
+    1 (a precomputed text-embedding cache must hold it)."""
     same_latent: bool = False
     """Share the initial noise within a prompt group (SDE noise always differs per generation)."""
     sde_window_size: int = option(0, ge=0)
@@ -168,9 +171,9 @@ class LoRAConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy (FLUX, SD3 or Wan) and its conditioning models."""
+    """The policy (FLUX, SD3, Wan or Qwen-Image) and its conditioning models."""
 
-    family: str = option("flux", choices=("flux", "sd3", "wan"))
+    family: str = option("flux", choices=("flux", "sd3", "wan", "qwen_image"))
     """Policy architecture family."""
     path: Optional[str] = None
     """A diffusers transformer directory or a leangrpo_mcore checkpoint; null builds from `preset` + `arch`."""
@@ -205,12 +208,14 @@ class ModelConfig:
     """diffusers pipeline directory holding the text encoders, or the precomputed embedding cache."""
     text_max_length: int = option(512, ge=1)
     """Text tokens per prompt of the diffusers and precomputed text encoders (T5 / UMT5: 512; SD3: CLIP's 77 plus
-    T5's, FlowGRPO's 77 + 128; a precomputed cache must have been written with the same length); the hashed CPU
-    encoder always uses 16."""
+    T5's, FlowGRPO's 77 + 128; Qwen-Image: the most Qwen2.5-VL states kept after the template's prefix, the
+    pipeline's max_sequence_length, padding trimmed per step; a precomputed cache must have been written with the
+    same length); the hashed CPU encoder always uses 16."""
     vae: str = option("tiny", choices=("tiny", "diffusers"))
     """Latent decoder: tiny random VAE for CPU runs, or diffusers weights from `vae_path`."""
     vae_path: Optional[str] = None
-    """diffusers VAE directory (AutoencoderKL for FLUX, AutoencoderKLWan for Wan)."""
+    """diffusers VAE directory (AutoencoderKL for FLUX and SD3, AutoencoderKLWan for Wan, AutoencoderKLQwenImage for
+    Qwen-Image)."""
 
 
 @dataclass

@@ -58,6 +58,11 @@ class Conditioning:
     """(B, ...) float32 conditioning image of each sample as its family's reference encoder makes it
     (:mod:`leangrpo_mcore.data.reference`; FLUX.1-Kontext: packed VAE tokens (B, S_ref, 4·C)), or None without
     image conditioning. The family's velocity function decides how the policy sees it."""
+    encoder_attention_mask: torch.Tensor | None = None
+    """(B, L) bool, True for the real tokens of ``encoder_hidden_states`` (Qwen-Image pads its prompts to the
+    longest), or None: every token is real."""
+    negative_encoder_attention_mask: torch.Tensor | None = None
+    """(B, L) bool, the same for ``negative_encoder_hidden_states``, or None."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -83,6 +88,13 @@ class Conditioning:
         if reference is not None and (reference.ndim < 2 or reference.shape[0] != batch):
             raise ValueError(f"conditioning.reference_latents must have batch {batch} first, got shape "
                              f"{tuple(reference.shape)}")
+        for mask_name, tokens_name in (("encoder_attention_mask", "encoder_hidden_states"),
+                                       ("negative_encoder_attention_mask", "negative_encoder_hidden_states")):
+            mask, tokens = getattr(self, mask_name), getattr(self, tokens_name)
+            if mask is not None and (tokens is None or mask.dtype != torch.bool
+                                     or tuple(mask.shape) != tuple(tokens.shape[:2])):
+                raise ValueError(f"conditioning.{mask_name} must be a bool (B, L) mask of {tokens_name}, got "
+                                 f"{mask.dtype} of shape {tuple(mask.shape)}")
 
     def select(self, indices: Indices) -> Conditioning:
         """The conditioning of the samples at ``indices`` (in that order)."""
@@ -90,7 +102,7 @@ class Conditioning:
         return Conditioning(**{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
 
     def to(self, device: torch.device | str) -> Conditioning:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (dtypes kept: the masks stay bool)."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return Conditioning(**{k: None if v is None else v.to(device) for k, v in moved.items()})
 

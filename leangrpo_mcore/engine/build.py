@@ -20,7 +20,7 @@ from leangrpo_mcore.data.conditioning import TextDims, TextEncoder, build_text_e
 from leangrpo_mcore.data.images import ConditioningImages, ImageFiles, ImageReader
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
 from leangrpo_mcore.data.reference import check_image_conditioning
-from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
+from leangrpo_mcore.data.vae import PACKED_FAMILIES, LatentDecoder, build_vae, latent_shape
 from leangrpo_mcore.diffusion.sigmas import SigmaSpec
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
 from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout
@@ -321,9 +321,9 @@ def build_text_and_vae(config: Config, family: ModelFamily, diffusers_config: di
 
 
 def latent_channels(family: ModelFamily, diffusers_config: dict) -> int:
-    """VAE latent channels of a policy (FLUX packs 2x2 patches: in_channels = 4 C)."""
+    """VAE latent channels of a policy (FLUX and Qwen-Image pack 2x2 patches: in_channels = 4 C)."""
     channels = int(diffusers_config["in_channels"])
-    return channels // 4 if family.name == "flux" else channels
+    return channels // 4 if family.name in PACKED_FAMILIES else channels
 
 
 def policy_latent_shape(config: Config, policy: torch.nn.Module, family: ModelFamily) -> tuple[int, ...]:
@@ -334,15 +334,15 @@ def policy_latent_shape(config: Config, policy: torch.nn.Module, family: ModelFa
 
 
 def sigma_spec(config: Config, shape: tuple[int, ...]) -> SigmaSpec:
-    """The formula of the sampler's schedule (FLUX's shift from the token count of ``shape``)."""
+    """The formula of the sampler's schedule (FLUX's and Qwen-Image's shift from the token count of ``shape``)."""
     s = config.sampler
-    if s.sigma_schedule == "flux":
-        return SigmaSpec("flux", image_seq_len=shape[0])
+    if s.sigma_schedule in ("flux", "qwen_image"):
+        return SigmaSpec(s.sigma_schedule, image_seq_len=shape[0])
     return SigmaSpec(s.sigma_schedule, shift=sampler_shift(config))
 
 
 def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The (num_steps + 1,) sigmas of the sampler's schedule (FLUX's shift from the token count of ``shape``)."""
+    """The (num_steps + 1,) sigmas of the sampler's schedule (FLUX's and Qwen-Image's shift from the token count of ``shape``)."""
     return sigma_spec(config, shape).sigmas(num_steps)
 
 

@@ -29,7 +29,8 @@ from leangrpo_mcore.models.registry import ModelFamily, PolicyFiles, read_policy
 _PRESET_SOURCES = {"flux-dev": "FLUX.1-dev", "flux-schnell": "FLUX.1-schnell", "flux-kontext-dev": "FLUX.1-Kontext-dev",
                    "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                    "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-ti2v-5b": "Wan2.2-TI2V-5B",
-                   "sd3.5-medium": "stable-diffusion-3.5-medium", "sd3.5-large": "stable-diffusion-3.5-large"}
+                   "sd3.5-medium": "stable-diffusion-3.5-medium", "sd3.5-large": "stable-diffusion-3.5-large",
+                   "qwen-image": "Qwen-Image"}
 """The released model of each full-size preset, named in the error of :func:`check_random_init`."""
 
 DEFAULT_SHIFT = 3.0

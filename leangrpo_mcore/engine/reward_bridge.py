@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from leangrpo_mcore.config import Config
-from leangrpo_mcore.data.vae import DecodedImages
+from leangrpo_mcore.data.vae import PACKED_FAMILIES, DecodedImages
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.control.watchdog import StepWatchdog
 from leangrpo_mcore.engine.evaluate import reward_input
@@ -83,7 +83,7 @@ class RewardBridge:
                 self.error, self._error_at = message, index
 
     def _decode(self, final_latents: torch.Tensor) -> DecodedImages:
-        size = {"height": self.height, "width": self.width} if self.family == "flux" else {}
+        size = {"height": self.height, "width": self.width} if self.family in PACKED_FAMILIES else {}
         return self.data.decoder.decode(final_latents, **size)
 
     def _references(self, ids: list[int]) -> Optional[torch.Tensor]:

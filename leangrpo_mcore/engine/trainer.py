@@ -303,7 +303,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         skipped = self.guard.skipped > skipped_before
         self._after_update(step, skipped)
-        row = self._row(result, elapsed, skipped, lr)
+        row = self._row(result, elapsed, skipped, lr, text_tokens=conditioning.encoder_hidden_states.shape[1])
         with self.io.recording():
             self.metrics.log(step, row)
         self.progress.update(step, row)
@@ -335,7 +335,7 @@ class Trainer:
                 for name, shadow in self.parts.ema.items():
                     shadow.lerp_(params[name].detach().float(), 1.0 - decay)
 
-    def _row(self, result: StepResult, elapsed: float, skipped: bool, lr: float) -> dict:
+    def _row(self, result: StepResult, elapsed: float, skipped: bool, lr: float, *, text_tokens: int) -> dict:
         components = None
         if result.component_rewards is not None:
             names = list(self.config.reward.weights or {})
@@ -350,7 +350,7 @@ class Trainer:
                "ratio_mean": sum(u.ratio_mean for u in updates) / len(updates),
                "lr": lr, "skipped": int(skipped),
                "nonfinite_streak": self.state.nonfinite_streak, "time_step_s": elapsed}
-        row.update(self.throughput.scalars(elapsed))
+        row.update(self.throughput.scalars(elapsed, text_tokens))
         row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
         row.update(per_step_ratios(updates))
         if result.window_start is not None:

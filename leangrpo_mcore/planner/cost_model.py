@@ -151,7 +151,7 @@ def _fitted_lora_rank(work: Workload) -> int:
 
 def _largest_weight(arch) -> int:
     """Elements of the largest single weight matrix (bounds a one-parameter-at-a-time optimizer's temporaries)."""
-    return max(lin.in_features * lin.out_features for lin in arch.root + sum((b.linears for b in arch.blocks), ()))
+    return max(lin.in_features * lin.out_features for lin in arch.root + sum((b.held for b in arch.blocks), ()))
 
 
 def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool,

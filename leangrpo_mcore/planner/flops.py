@@ -34,18 +34,19 @@ FORWARD_KINDS = ("nograd", "rollout_grad", "recompute", "reference")
 """Sample-forwards by kind, as the benchmark's forward probe sorts them: rollout forwards without gradients,
 grad-enabled rollout forwards (recompute-free schedules), Native's recompute forwards, KL reference forwards."""
 
-# Root linears whose input is a model input (latents, text embeddings, sinusoidal timestep features).
-_ENTRY_LAYERS = ("x_embedder", "context_embedder", "patch_embedding", "linear_1")
+# Root linears whose input is a model input (latents, text embeddings, sinusoidal timestep features). Qwen-Image's
+# txt_in is not one: it reads txt_norm, whose weight trains in a full fine-tune.
+_ENTRY_LAYERS = ("x_embedder", "context_embedder", "patch_embedding", "linear_1", "img_in")
 
 
 ATTENTION_BACKWARD = 2.5
 """Backward over forward FLOPs of attention: dV = PᵀdO, dP = dO·Vᵀ, dQ = dS·K, dK = dSᵀQ and the recomputed
 scores QKᵀ, five products of the forward's two."""
 
-# The block linears that read the block's input residual streams (FLUX double / single, Wan), and Wan's
-# cross-attention keys and values, which read the text context no block updates.
-_BLOCK_INPUT = {"double": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj",
-                           "attn.add_v_proj"),
+# The block linears that read the block's input residual streams (FLUX double / single, Wan, Qwen-Image), and
+# Wan's cross-attention keys and values, which read the text context no block updates.
+_JOINT_QKV = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+_BLOCK_INPUT = {"double": _JOINT_QKV, "qwen": _JOINT_QKV, "qwen_last": _JOINT_QKV,
                 "single": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
                 "wan": ("attn1.to_q", "attn1.to_k", "attn1.to_v")}
 _TEXT_CONTEXT = {"wan": ("attn2.to_k", "attn2.to_v")}
@@ -198,10 +199,12 @@ def step_flops(arch: ArchSpec, tokens: dict[str, int], *, schedule: str, num_ste
     return StepFlops(samples=samples, passes=passes, counts=counts)
 
 
-def step_flops_for_config(config: Any, schedule: str | None = None, window_start: int | None = None) -> StepFlops:
-    """The FLOPs of one step of an experiment config under ``schedule`` (default ``config.schedule.name``), with the
-    rollout's T' forwards when the steps after a shared SDE window are compressed: at ``window_start``, or the mean
-    over the window's starts (:func:`~leangrpo_mcore.planner.config_workload.rollout_steps_of`)."""
+def step_flops_for_config(config: Any, schedule: str | None = None, window_start: int | None = None, *,
+                          text_tokens: int | None = None) -> StepFlops:
+    """The FLOPs of one step of an experiment config under ``schedule`` (default ``config.schedule.name``), its
+    prompts ``text_tokens`` long (default: the text encoder's length, see ``tokens_of``), with the rollout's T'
+    forwards when the steps after a shared SDE window are compressed: at ``window_start``, or the mean over the
+    window's starts (:func:`~leangrpo_mcore.planner.config_workload.rollout_steps_of`)."""
     name = schedule or config.schedule.name
     if name == "auto":
         raise UserError("schedule 'auto' must be resolved before counting a step's FLOPs")
@@ -210,7 +213,7 @@ def step_flops_for_config(config: Any, schedule: str | None = None, window_start
     targets = DEFAULT_LORA_TARGETS[arch.family] if lora.targets is None else tuple(lora.targets)
     g = config.grpo
     rollout = rollout_steps_of(config, window_start)
-    return step_flops(arch, tokens_of(config, arch), schedule=name,
+    return step_flops(arch, tokens_of(config, arch, text_tokens), schedule=name,
                       num_steps=int(rollout) if rollout.is_integer() else rollout,
                       selected_steps=selected_steps_of(config), group_size=g.group_size,
                       prompts_per_step=g.prompts_per_step, updates_per_rollout=g.updates_per_rollout,

@@ -97,6 +97,8 @@ NOT_RUN = {
     "--dst ckpt/wan-14b-mcore": (WEIGHTS, "Wan2.1-T2V-14B's transformer"),
     "leangrpo-convert diffusers-to-mcore --model sd3 --src /models/stable-diffusion-3.5-medium/transformer "
     "--dst ckpt/sd35m-mcore": (WEIGHTS, "SD3.5 Medium's transformer"),
+    "leangrpo-convert diffusers-to-mcore --model qwen_image --src /models/Qwen-Image/transformer "
+    "--dst ckpt/qwen-image-mcore": (WEIGHTS, "Qwen-Image's transformer"),
     'huggingface-cli download black-forest-labs/FLUX.1-Kontext-dev --local-dir models/FLUX.1-Kontext-dev --exclude '
     '"flux1-kontext-dev.safetensors" "ae.safetensors"': (WEIGHTS, "downloads FLUX.1-Kontext-dev (about 34 GB)"),
     "huggingface-cli download openai/clip-vit-large-patch14 --local-dir models/clip-vit-large-patch14": (

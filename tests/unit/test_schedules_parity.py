@@ -24,7 +24,7 @@ import torch
 from leangrpo_mcore.diffusion.sampler import SDEParams
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
-from leangrpo_mcore.diffusion.velocity import FluxVelocity, SD3Velocity, WanVelocity
+from leangrpo_mcore.diffusion.velocity import FluxVelocity, QwenImageVelocity, SD3Velocity, WanVelocity
 from leangrpo_mcore.diffusion.window import SDEWindow
 from leangrpo_mcore.engine import StepEngine, StepInputs, StepPlan
 from leangrpo_mcore.parallel.fsdp import apply_fsdp
@@ -122,12 +122,14 @@ class Outcome:
 
 
 class RecordingSGD(torch.optim.SGD):
-    """SGD that records the full gradient it is given at every step."""
+    """SGD that records the full gradient it is given at every step (zeros for a parameter given none: Qwen-Image's
+    idle text MLP of the last block)."""
 
     recorded: list
 
     def step(self, closure=None):
-        grads = [_full(p.grad, p) for group in self.param_groups for p in group["params"]]
+        grads = [_full(torch.zeros_like(p) if p.grad is None else p.grad, p)
+                 for group in self.param_groups for p in group["params"]]
         self.recorded = getattr(self, "recorded", []) + [grads]
         return super().step(closure)
 
@@ -173,6 +175,15 @@ def _setup(case: Case, pp_rank: int = 0):
                             pooled_projections=torch.randn(p, 20, generator=gen),
                             negative_encoder_hidden_states=torch.randn(p, 5, 24, generator=gen),
                             negative_pooled_projections=torch.randn(p, 20, generator=gen))
+    elif case.family == "qwen_image":
+        # true CFG 4 against a negative prompt; prompts of 6 and 4 real tokens, the negative of 2: padding masked
+        velocity = QwenImageVelocity(policy, latent_height=FLUX_GRID, latent_width=FLUX_GRID, cfg_scale=4.0)
+        shape, kind, noise = (16, 64), case.sde_kind or "flow_grpo", 1.2
+        real = torch.arange(6)[None, :] < torch.tensor([[6], [4]] * p)[:p]
+        cond = Conditioning(encoder_hidden_states=torch.randn(p, 6, 24, generator=gen) * real[..., None],
+                            negative_encoder_hidden_states=torch.randn(p, 6, 24, generator=gen),
+                            encoder_attention_mask=real,
+                            negative_encoder_attention_mask=(torch.arange(6) < 2).expand(p, 6).clone())
     else:
         velocity = WanVelocity(policy, cfg_scale=4.0)
         shape, kind, noise = (4, 1, 4, 4), case.sde_kind or "wan", 0.7
@@ -184,6 +195,8 @@ def _setup(case: Case, pp_rank: int = 0):
         sigmas = get_sigmas("flux", case.num_steps, image_seq_len=16)
     elif case.family == "sd3":
         sigmas = get_sigmas("sd3", case.num_steps, shift=3.0)
+    elif case.family == "qwen_image":
+        sigmas = get_sigmas("qwen_image", case.num_steps, image_seq_len=16)
     else:
         sigmas = get_sigmas("wan", case.num_steps, shift=3.0)
     return policy, velocity, shape, sigmas, kind, noise, cond
@@ -380,6 +393,22 @@ def test_grpo_guard(case):
     plain = run_case(case.but(schedule="native", ratio_norm=False, grad_reweight="none"))
     assert rel_l2(native.grads[0], plain.grads[0]) > 1e-3  # the guard changes the gradient (measured 4.8e-3 with KL)
     assert native.ratio[1] != (1.0, 1.0)  # the second update is off-policy
+
+
+def test_qwen_image_true_cfg_masked_text_full_finetune():
+    # The last block's idle text MLP holds parameters that never get a gradient (zero, as in diffusers' model).
+    native, retain, reweight = run_three(Case(family="qwen_image"))
+    check_parity(native, retain, reweight, tol=4e-6)  # measured 1.04e-6: true CFG's x4 and norm rescale
+    idle = [g for name, g in zip(native.names, native.grads[0]) if name.startswith("transformer_blocks.1.txt_mlp")]
+    assert len(idle) == 4 and all(not g.any() for g in idle)
+
+
+@pytest.mark.slow
+def test_qwen_image_lora_kl_sde_window():
+    native, retain, reweight = run_three(Case(family="qwen_image", lora=True, kl_beta=10.0, selection="sde_window",
+                                              window=2, window_range=(0, 2)))
+    check_parity(native, retain, reweight, tol=4e-6)
+    assert any("attn.to_v.lora" in name for name in native.names)
 
 
 def test_wan_global_std_with_clamping():

@@ -213,6 +213,9 @@ class StepPlan:
         if is_ratio(window.ode_steps_after) and self.sigma_spec is None:
             raise ValueError("sampler.ode_steps_after_window as a ratio re-spaces the schedule after the window: the "
                              "plan needs the schedule's formula (sigma_spec)")
+        if is_ratio(window.ode_steps_after) and self.sigma_spec.kind == "qwen_image":
+            raise ValueError("sampler.ode_steps_after_window as a ratio re-spaces the schedule on its time grid; the "
+                             "qwen_image schedule is stretched to its terminal sigma and has none: give a count")
         bounds = sel.get("window_range", (0, 1))
         if (window.size, window.low, window.high) != (sel.get("window_size", 0), int(bounds[0]), int(bounds[-1])):
             raise ValueError("the plan's window and its selection disagree on the window's size or range")

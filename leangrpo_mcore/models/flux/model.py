@@ -24,11 +24,12 @@ from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
+from leangrpo_mcore.models.common.mmdit import AdaLayerNormContinuous
 from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, check_boundary
 from leangrpo_mcore.models.common.policy import PolicyMixin
 from leangrpo_mcore.models.common.rope import multi_axis_rope_cos_sin
 from leangrpo_mcore.models.flux.config import LATENT_PACKING, VAE_SCALE_FACTOR, FluxConfig
-from leangrpo_mcore.models.flux.layers import AdaLayerNormContinuous, FluxDoubleBlock, FluxSingleBlock
+from leangrpo_mcore.models.flux.layers import FluxDoubleBlock, FluxSingleBlock
 
 TIMESTEP_CHANNELS = 256
 """Sinusoidal features fed to the timestep / guidance embedders."""
