@@ -1,7 +1,9 @@
 """Install leangrpo_mcore.
 
 On a CPU-only machine install ``torch==2.13.0`` first (see README): an unpinned torch in a fresh
-environment resolves to a multi-gigabyte CUDA build. ``pip install -e .`` keeps an installed torch.
+environment resolves to a multi-gigabyte CUDA build. ``pip install -e .`` keeps an installed torch; with pip
+constrained to the installed torch and megatron-core (``-c``, as ``.ci/current-stack.txt`` does) it never
+replaces them.
 NVIDIA apex is detected at run time and is never a dependency (the PyPI package named ``apex`` is an
 unrelated project).
 """
@@ -28,17 +30,16 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10",
+    python_requires=">=3.11,<3.13",
     packages=find_packages(include=["leangrpo_mcore", "leangrpo_mcore.*"]),
     include_package_data=True,
     package_data={"leangrpo_mcore": ["data/*.txt"]},
-    # Ranges are those the test suite has passed with (README, "Supported versions"). torch 2.8 is the first with
-    # FSDP2's set_force_sum_reduction_for_comms / set_gradient_divide_factor / set_reshard_after_forward; the
-    # upper bound guards the private torch.distributed.tensor._utils import. megatron-core 0.17+ needs
-    # Python >= 3.12 and is not tested yet.
+    # Ranges are those the test suite has passed with (README, "Supported versions"): .ci/run tests Python 3.11 +
+    # torch 2.13 + megatron-core 0.16.1 and Python 3.12 + torch 2.14.1 + megatron-core 0.19.2 (0.17.1 and 0.18.2
+    # were checked once); what differs between those releases is answered in leangrpo_mcore/compat.py.
     install_requires=[
-        "torch>=2.8,<2.14",
-        "megatron-core>=0.16.1,<0.17",
+        "torch>=2.13,<2.15",
+        "megatron-core>=0.16.1,<0.20",
         "diffusers>=0.35.2,<0.43",
         "safetensors",
         "pyyaml",
@@ -52,7 +53,10 @@ setup(
         "httpcore>=1.0,<2",  # its transport, used directly for per-request deadlines
     ],
     extras_require={
-        "te": ["transformer-engine[pytorch]"],
+        # Transformer Engine: the range each stack's megatron-core accepts (0.16.1 declares >=2.9,<2.12; 0.17-0.19
+        # declare none, and the current-scaling FP8 recipes need >=2.3). Not installable without CUDA: untested in CI.
+        "te": ["transformer-engine[pytorch]>=2.9,<2.12; python_version < '3.12'",
+               "transformer-engine[pytorch]>=2.9,<3; python_version >= '3.12'"],
         "ocr": ["rapidocr>=3.10,<4", "onnxruntime"],
         "text": ["transformers"],
         "rewards": ["transformers"],  # PickScore, CLIPScore, the aesthetic predictor and HPSv2.1 (CLIPModel)

@@ -25,7 +25,7 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
   NPROC_PER_NODE=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
 fi
 
-exec torchrun \
+exec leangrpo-torchrun \
   --nnodes "${NNODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${NPROC_PER_NODE}" \
   --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT}" \
   -m leangrpo_mcore.train --config "${config}" "$@"

@@ -19,5 +19,5 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then
   if [ "${gpus}" -gt 0 ]; then NPROC_PER_NODE="${gpus}"; else NPROC_PER_NODE=2; fi
 fi
 
-exec torchrun --standalone --nproc-per-node "${NPROC_PER_NODE}" \
+exec leangrpo-torchrun --standalone --nproc-per-node "${NPROC_PER_NODE}" \
   -m leangrpo_mcore.train --config "${config}" "$@"

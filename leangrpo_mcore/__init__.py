@@ -1,10 +1,9 @@
 """leangrpo_mcore: recompute-free GRPO for diffusion policies (FLUX, Wan) on megatron-core and FSDP2."""
 
-import warnings
+from leangrpo_mcore.compat import quiet_dependency_noise
 
-# megatron-core announces at import that it falls back to torch when TE / apex are absent (the normal case on
-# CPU machines) and warns about one of its own defaults; neither concerns users of this package.
-warnings.filterwarnings("ignore", message=r"Transformer Engine and Apex are not installed", category=UserWarning)
-warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
+# megatron-core and torch print a few warnings about their own internals and defaults at import and at first use
+# (each listed, with the reason it is harmless, in compat.NOISE); the filters are narrowed to those messages.
+quiet_dependency_noise()
 
 __version__ = "0.1.0"

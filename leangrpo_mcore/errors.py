@@ -38,6 +38,20 @@ def require_extra(module: str, extra: str, feature: str) -> ModuleType:
                                 f"pip install 'leangrpo_mcore[{extra}]'") from None
 
 
+# torch.load's weights-only unpickler wraps its one-word cause in a paragraph of advice about trusting the file.
+_UNPICKLER_CAUSE = "WeightsUnpickler error:"
+
+
+def exception_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of ``exc`` on one line (whitespace collapsed, at most ``limit`` characters of message);
+    of torch's weights-only unpickler error only its cause ("Unsupported operand 103")."""
+    text = str(exc)
+    if _UNPICKLER_CAUSE in text:
+        cause = text.split(_UNPICKLER_CAUSE, 1)[1].split("Check the documentation", 1)[0]
+        text = f"{_UNPICKLER_CAUSE} {cause}"
+    return f"{type(exc).__name__}: {' '.join(text.split())[:limit]}"
+
+
 def write_error_file(message: str) -> None:
     """Under torchrun, put ``message`` in this rank's error file (the format of torchrun's own error handler,
     without a traceback: torchrun prints the message as the failure's "traceback")."""

@@ -9,7 +9,7 @@ AdamW state (fp32 master weights, ``exp_avg``, ``exp_avg_sq``: about 12 GB), bui
 ranks, each of which times
 
 - **verify**: the resume's check of the checkpoint against its ``COMPLETE`` marker
-  (:func:`~leangrpo_mcore.engine.ckpt_manifest.verify_on_ranks`: each rank reads and checksums its share of the
+  (:func:`~leangrpo_mcore.engine.checkpoint.manifest.verify_on_ranks`: each rank reads and checksums its share of the
   bytes, one ``all_gather`` decides); the files were just written, so they are read from the page cache
   when the machine's memory holds them, which measures the checksums rather than the disk;
 - **init**: filling its FSDP2 shards of the policy (built on ``meta``, sharded over the ranks, allocated) with
@@ -97,7 +97,7 @@ def measure_worker(out: str, checkpoint: str, preset: str, layers: int, single_l
     """One rank: time the verification of ``checkpoint`` and the random init of its shards; write ``out``_<rank>."""
     import torch.distributed as dist
 
-    from leangrpo_mcore.engine import ckpt_manifest as manifest
+    from leangrpo_mcore.engine.checkpoint import manifest
     from leangrpo_mcore.engine.launch import init_distributed
 
     dist_ctx = init_distributed()

@@ -1,6 +1,6 @@
 """Fit the planner's activation-memory constants to measured saved-tensor bytes of real policy forwards.
 
-For each family (FLUX, SD3, Wan), compute dtype (fp32, bf16), activation checkpointing (off, on) and training mode (full
+For each family (FLUX, SD3, Wan, Qwen-Image), compute dtype (fp32, bf16), activation checkpointing (off, on) and training mode (full
 fine-tuning; LoRA on the default targets, base frozen) this builds small policies with
 ``leangrpo_mcore.models.build_policy`` over a grid of widths, heads, MLP widths, depths and token counts, at tensor
 parallelism 1 and 2 (TP=2 on a fake process group in this one process: collectives move nothing, the shapes every
@@ -96,6 +96,32 @@ def sd3_cases() -> list[tuple[dict, int, int]]:
     return cases
 
 
+def qwen_image_cases() -> list[tuple[dict, int, int]]:
+    """(diffusers config, image tokens, text tokens) of the Qwen-Image grid (every prompt of a case real: the
+    attention runs unmasked, as flash attention does)."""
+    cases = []
+    for layers, heads, hd, side, txt, jd in itertools.product(
+            [1, 2, 3], [2, 4], [16, 32], [4, 8], [8, 16], [32, 64]):
+        rope = [hd // 4, 3 * hd // 8, 3 * hd // 8]
+        config = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": layers,
+                  "attention_head_dim": hd, "num_attention_heads": heads, "joint_attention_dim": jd,
+                  "guidance_embeds": False, "axes_dims_rope": rope}
+        cases.append((config, side * side, txt))
+    return cases
+
+
+def _qwen_image_sample(config: dict, image: int, text: int, dtype: torch.dtype) -> Callable:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, image, config["in_channels"], generator=gen).to(dtype)
+    ctx = torch.randn(1, text, config["joint_attention_dim"], generator=gen).to(dtype)
+    side = int(image ** 0.5)
+
+    def run(model: torch.nn.Module) -> torch.Tensor:
+        return model(x, ctx, None, torch.full((1,), 0.5, dtype=dtype), (1, side, side))
+
+    return run
+
+
 def _sd3_sample(config: dict, image: int, text: int, dtype: torch.dtype) -> Callable:
     gen = torch.Generator().manual_seed(0)
     side = 2 * int(image ** 0.5)  # latent pixels per side: 2x2 patches
@@ -136,6 +162,11 @@ def _wan_sample(config: dict, latent: tuple[int, int, int], text: int, dtype: to
     return run
 
 
+IMAGE_GRIDS = {"flux": (flux_cases, _flux_sample), "sd3": (sd3_cases, _sd3_sample),
+               "qwen_image": (qwen_image_cases, _qwen_image_sample)}
+"""The grid and the sample of each image family."""
+
+
 def tp_world(tp: int):
     """Megatron's TP groups of size ``tp`` on a fake process group (nothing at TP=1: the single-process build)."""
     return fake_world(world_size=tp, tp=tp) if tp > 1 else contextlib.nullcontext()
@@ -155,8 +186,8 @@ def build_case(family: str, config: dict, dtype: torch.dtype, checkpointing: boo
 def collect(family: str, dtype: torch.dtype, checkpointing: bool, lora: bool) -> tuple[list[dict], list[int]]:
     """Features and measured saved bytes of every grid case of ``family`` at every TP size."""
     rows, measured = [], []
-    if family in ("flux", "sd3"):
-        grid, sample = (flux_cases, _flux_sample) if family == "flux" else (sd3_cases, _sd3_sample)
+    if family in IMAGE_GRIDS:
+        grid, sample = IMAGE_GRIDS[family]
         cases = [(c, sample(c, i, t, dtype), {"image": i, "text": t}) for c, i, t in grid()]
     else:
         cases = [(c, _wan_sample(c, lat, t, dtype), {"image": lat[0] * lat[1] * lat[2] // 4, "text": t})
@@ -206,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     """Measure, fit, print; with ``--write`` regenerate the constants module."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="regenerate leangrpo_mcore/planner/activation_fit.py")
-    parser.add_argument("--family", choices=("flux", "sd3", "wan"), action="append", help="only these families")
+    parser.add_argument("--family", choices=("flux", "sd3", "wan", "qwen_image"), action="append",
+                        help="only these families")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     fits = {}
-    for family in args.family or ["flux", "sd3", "wan"]:
+    for family in args.family or ["flux", "sd3", "wan", "qwen_image"]:
         for dtype_name, checkpointing, lora in itertools.product(DTYPES, (False, True), (False, True)):
             rows, measured = collect(family, DTYPES[dtype_name], checkpointing, lora)
             key = fit_key(family, torch.tensor([], dtype=DTYPES[dtype_name]).element_size(), checkpointing, lora)

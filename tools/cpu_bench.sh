@@ -3,7 +3,7 @@
 #
 #   . .venv/bin/activate && tools/cpu_bench.sh [OUT_DIR [NAME ...]]   (default runs/bench/cpu; an idle machine)
 #
-# With NAMEs only those runs (e.g. tools/cpu_bench.sh runs/bench/cpu flux_flowgrpo_ws2 sd3_flowgrpo_ws1).
+# With NAMEs only those runs (e.g. tools/cpu_bench.sh runs/bench/cpu flux_flowgrpo_ws2 qwen_image_flowgrpo_ws1).
 # Every run writes OUT_DIR/NAME.{json,md,png} and its log OUT_DIR/NAME.log. World size 1 runs one process with
 # one thread; world size 2 runs two gloo ranks of one thread each, so a rank computes alike in both.
 set -euo pipefail
@@ -50,9 +50,15 @@ two sd3_flowgrpo_ws2       --config $B/sd3_flowgrpo.yaml       --schedules $ALL 
 two wan_a14b_dancegrpo_ws2 --config $B/wan_a14b_dancegrpo.yaml --schedules native,retain,reweight --steps 3 --warmup 1 \
                            --check-parity
 one sd3_flowgrpo_ws1       --config $B/sd3_flowgrpo.yaml       --steps 3 --warmup 1
+two qwen_image_flowgrpo_ws2 --config $B/qwen_image_flowgrpo.yaml --schedules $ALL --steps 3 --warmup 1 --check-parity
+one qwen_image_flowgrpo_ws1 --config $B/qwen_image_flowgrpo.yaml --steps 3 --warmup 1
 # FLUX.1-Kontext editing: the source image's tokens beside the generated ones (the demo dataset, read by DALI)
 if wanted kontext_flowgrpo_ws2 && [ ! -f runs/edit_demo/data/train_metadata.jsonl ]; then
   python tools/make_edit_demo.py runs/edit_demo > /dev/null
 fi
 two kontext_flowgrpo_ws2   --config $B/flux_kontext.yaml       --schedules $ALL --steps 5 --warmup 1 --check-parity
+# MixGRPO-Flash's sampler (T' = 11 of 25 steps at the window's first position, |S| = 4) and K = 2 updates per rollout
+two flux_mixgrpo_flash_ws2 --config $B/flux_mixgrpo_flash.yaml --schedules $ALL --steps 5 --warmup 1 --check-parity
+two flux_flowgrpo_k2_ws2   --config $B/flux_flowgrpo.yaml      --schedules $ALL --steps 5 --warmup 1 --check-parity \
+                           grpo.updates_per_rollout=2 grpo.prompts_per_step=2
 echo "done: $OUT"

@@ -3,12 +3,16 @@
 #
 #   tools/gpu_check.sh --out OUT_DIR [--wheels WHEEL_DIR] [--cpu]
 #
-# For a machine with nothing but a CUDA torch: WHEEL_DIR holds the pure-Python dependencies as wheels (about
-# 13 MB, well inside a 64 MiB bundle), built on any machine with network access from a working environment:
+# For a machine with nothing but a CUDA torch: WHEEL_DIR holds the other dependencies as wheels (about 13 MB per
+# stack, well inside a 64 MiB bundle), built on any machine with network access from a working environment:
 #
 #   pip download --no-deps -d bundle $(pip freeze | grep -iE '^(megatron-core|diffusers|huggingface.hub|safetensors|einops|psutil|pyyaml|tqdm|httpx|httpcore|h11|anyio|sniffio|idna|certifi|regex|filelock|importlib.metadata|zipp)==')
 #
-# They are installed with --no-index --no-deps into OUT_DIR/site; the package itself runs from this checkout.
+# megatron-core's wheels are built per Python version (cp311 for today's stack, cp312 for the current one): run
+# the command in each stack's environment into the same folder and one bundle serves both. The script takes the
+# stack as given by the interpreter (PYTHON, default python3) and its torch: for each project in WHEEL_DIR, pip
+# installs the newest wheel whose tags fit that interpreter, with --no-index --no-deps, into OUT_DIR/site; the
+# package itself runs from this checkout.
 # Parts (see leangrpo_mcore/bench/gpu_check.py): diffusers parity, the schedules' gradient parity, the schedule
 # bench on a FLUX.1-dev-shaped policy, and with Transformer Engine its parity and FP8 rollout agreement. A part
 # whose dependency is absent reports "skipped: reason". Typically well under 8 minutes on one GPU.
@@ -31,9 +35,11 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 if [ -n "$WHEELS" ]; then
   ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "error: no wheels in $WHEELS" >&2; exit 2; }
-  echo "[gpu_check] installing $(ls "$WHEELS"/*.whl | wc -l) wheels into $OUT/site"
+  projects=$(ls "$WHEELS"/*.whl | sed 's#.*/##; s#-.*##' | sort -u)
+  echo "[gpu_check] installing $(echo $projects | wc -w) projects from $WHEELS into $OUT/site for" \
+       "$("$PY" -c 'import sys; print("Python %d.%d" % sys.version_info[:2])')"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$OUT/site" \
-    "$WHEELS"/*.whl || { echo "error: wheel install failed" >&2; exit 1; }
+    --find-links "$WHEELS" $projects || { echo "error: wheel install failed (no wheel fits this Python?)" >&2; exit 1; }
   export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -7,7 +7,8 @@ The training run then never loads the text encoders (DanceGRPO precomputes its T
     leangrpo-train --config ... model.text_encoder=precomputed model.text_encoder_path=/data/flux_embeddings
 
 For Wan with classifier-free guidance add ``--negative-prompt ""`` (or the run's negative prompt) so that its
-embedding is cached too. ``--encoder hashed`` caches the tiny hashed embedder instead (tests, demos).
+embedding is cached too; Qwen-Image's cache (``--family qwen_image --max-length 256``) keeps each prompt's token
+mask beside its states. ``--encoder hashed`` caches the tiny hashed embedder instead (tests, demos).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--text-encoder-path", help="diffusers pipeline directory (for --encoder diffusers)")
     parser.add_argument("--text-dim", type=int, help="token width D (for --encoder hashed)")
     parser.add_argument("--pooled-dim", type=int, help="pooled width P (for --encoder hashed, flux, sd3)")
-    parser.add_argument("--max-length", type=int, default=T5_MAX_LENGTH, help="tokens per prompt (T5/UMT5; SD3: 77 CLIP + T5's)")
-    parser.add_argument("--negative-prompt", default=None, help="also cache this negative prompt (Wan, SD3 CFG)")
+    parser.add_argument("--max-length", type=int, default=T5_MAX_LENGTH,
+                        help="tokens per prompt (T5/UMT5; SD3: 77 CLIP + T5's; Qwen-Image: the most kept)")
+    parser.add_argument("--negative-prompt", default=None,
+                        help="also cache this negative prompt (Wan, SD3, Qwen-Image CFG)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32", help="storage dtype")
     parser.add_argument("--device", default="cpu", help="device of the text encoders")
     parser.add_argument("--shard-size", type=int, default=256, help="prompts per safetensors shard")

@@ -132,8 +132,8 @@ def _native_clip_fraction(overrides: list[str]) -> float:
     from leangrpo_mcore.config import load_config
     from leangrpo_mcore.engine import build
     from leangrpo_mcore.engine.launch import init_distributed
+    from leangrpo_mcore.engine.reward_bridge import RewardBridge
     from leangrpo_mcore.engine.step import StepInputs
-    from leangrpo_mcore.engine.trainer import RewardBridge
     from leangrpo_mcore.parallel.mesh import destroy_parallel_context
 
     config = load_config(str(ROOT / "yaml_configs" / "bench" / "smoke.yaml"),

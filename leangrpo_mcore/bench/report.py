@@ -6,7 +6,9 @@ A step's wall time is split into :data:`PHASES`, which sum to it exactly: the fo
 stages, ``bubble`` is the time a stage waits for the others (and transfers), taken out of the forward kinds.
 
 The ideal ratio is the speedup a recompute-free schedule would reach if a step cost only its
-policy forwards and backwards: per trajectory Native costs T·F + |S|·(F + B), a Lean schedule T·F + |S|·B,
+policy forwards and backwards: per trajectory Native costs T·F + |S|·(F + B), a Lean schedule T·F + |S|·B (T the
+rollout's forwards, T' when the steps after the SDE window are compressed; with K updates per rollout the later
+blocks' samples recompute under any schedule, + (K − 1)/K·|S|·F),
 with F the time of one sample-forward and B of one sample-step backward, both measured in the same run.
 B is read from a schedule whose backward synchronises nothing (:func:`ideal_sources`), so that a
 schedule whose coalesced sync beats the baselines' per-backward sync can exceed the ideal ratio.
@@ -118,8 +120,9 @@ def forward_time(samples: list[StepSample]) -> float:
     return seconds / rows
 
 
-def backward_time(samples: list[StepSample], num_steps: int, steps_per_sample: int) -> float:
-    """B: seconds per (sample, selected step) backward; samples counted from the rollout's forwards."""
+def backward_time(samples: list[StepSample], num_steps: float, steps_per_sample: int) -> float:
+    """B: seconds per (sample, selected step) backward; samples counted from the rollout's forwards (``num_steps``:
+    the forwards of one rollout, T')."""
     rollout_rows = sum(s.forward_rows.get("nograd", 0) + s.forward_rows.get("rollout_grad", 0) for s in samples)
     units = rollout_rows / num_steps * steps_per_sample
     if units <= 0:
@@ -127,10 +130,14 @@ def backward_time(samples: list[StepSample], num_steps: int, steps_per_sample: i
     return sum(s.phases["backward"] for s in samples) / units
 
 
-def ideal_ratio(num_steps: int, steps_per_sample: int, forward_s: float, backward_s: float) -> float:
-    """(T·F + |S|·(F + B)) / (T·F + |S|·B)."""
+def ideal_ratio(num_steps: float, steps_per_sample: int, forward_s: float, backward_s: float,
+                updates: int = 1) -> float:
+    """(T·F + |S|·(F + B)) / (T·F + |S|·B + (K − 1)/K·|S|·F), T the rollout's forwards (T' when the steps after the
+    SDE window are compressed), K = ``updates`` per rollout (the later blocks' samples recompute under any
+    schedule)."""
     t, s = num_steps, steps_per_sample
-    return (t * forward_s + s * (forward_s + backward_s)) / (t * forward_s + s * backward_s)
+    lean = t * forward_s + s * backward_s + (updates - 1) / updates * s * forward_s
+    return (t * forward_s + s * (forward_s + backward_s)) / lean
 
 
 def is_native(label: str) -> bool:
@@ -183,8 +190,9 @@ def finish_report(report: dict, samples: dict[str, list[StepSample]], counts: Op
     schedules = {name: schedule_summary(name, samples[name]) for name in names}
     f_source, b_source = ideal_sources(names, report["meta"]["dp_size"])
     f = forward_time(samples[f_source])
-    b = backward_time(samples[b_source], shape["num_steps"], shape["steps_per_sample"])
-    ratio = ideal_ratio(shape["num_steps"], shape["steps_per_sample"], f, b)
+    forwards = shape.get("rollout_steps", shape["num_steps"])
+    b = backward_time(samples[b_source], forwards, shape["steps_per_sample"])
+    ratio = ideal_ratio(forwards, shape["steps_per_sample"], f, b, shape.get("updates_per_rollout", 1))
     report["ideal"] = {"ratio": ratio, "forward_s": f, "backward_s": b, "forward_source": f_source,
                        "backward_source": b_source}
     chosen = baselines(schedules, report["meta"])
@@ -228,10 +236,17 @@ def _run_header(report: dict) -> list[str]:
     params, trained = shape["params"] / 1e6, shape["trainable_params"] / 1e6
     return [f"#### {meta['title']}", "",
             f"world size {meta['world_size']}{_cp_note(meta)} ({meta['device']}, {meta['threads']} threads/rank), "
-            f"T={shape['num_steps']}, |S|={shape['steps_per_sample']}, {shape['samples_per_rank']} samples/rank, "
+            f"T={shape['num_steps']}{_forwards_note(shape)}, |S|={shape['steps_per_sample']}, "
+            f"{shape['samples_per_rank']} samples/rank, "
             f"{shape['tokens']} tokens, {params:.2f} M params ({trained:.2f} M trained), {meta['steps']} measured "
             f"steps after {meta['warmup']} warm-up, order {', '.join(meta['order'])}.{_gather_note(meta)}"
             f"{_load_note(meta)}", ""]
+
+
+def _forwards_note(shape: dict) -> str:
+    """`` (T'=11 forwards per rollout)`` when the rollout runs fewer forwards than steps, else nothing."""
+    forwards = shape.get("rollout_steps", shape["num_steps"])
+    return "" if forwards == shape["num_steps"] else f" (T'={forwards:g} forwards per rollout)"
 
 
 def _gather_note(meta: dict) -> str:
@@ -319,6 +334,22 @@ def _phase_table(report: dict) -> list[str]:
     return lines
 
 
+def _prediction_table(report: dict) -> list[str]:
+    """The planner's predicted step time of each label against its median wall and CPU time."""
+    rows = [(name, entry["predicted"]) for name, entry in report["schedules"].items() if entry.get("predicted")]
+    if not rows:
+        return []
+    kind = rows[0][1].get("hardware", "")
+    lines = ["", f"| planner ({kind} rates, reward not modelled) | predicted (s) | measured / predicted "
+             "| CPU / predicted |", "|---|---|---|---|"]
+    for name, pred in rows:
+        seconds, entry = pred.get("step_time_s"), report["schedules"][name]
+        wall, cpu = entry["step_time_s"]["median"], entry["cpu_time_s"]["median"]
+        lines.append(f"| {name} | {_fmt(seconds, 3)} | {_fmt(None if not seconds else wall / seconds, 2)} "
+                     f"| {_fmt(None if not seconds else cpu / seconds, 2)} |")
+    return lines
+
+
 def _parity_table(parity: dict) -> list[str]:
     lines = ["", "| gradient parity vs Native | cosine | rel. L2 | reward max abs diff |", "|---|---|---|---|"]
     for name, row in parity.items():
@@ -330,7 +361,7 @@ def _parity_table(parity: dict) -> list[str]:
 def run_markdown(report: dict) -> str:
     """The Markdown tables of one benchmark run: step times, phases, gradient parity when checked, and the run's
     row of the "at a glance" table."""
-    lines = _run_header(report) + _time_table(report) + _phase_table(report)
+    lines = _run_header(report) + _time_table(report) + _phase_table(report) + _prediction_table(report)
     if report.get("parity"):
         lines += _parity_table(report["parity"])
     lines += ["", "At a glance (the row of BENCHMARKS.md's table; in parentheses the fraction of the ideal ratio):",

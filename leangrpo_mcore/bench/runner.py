@@ -30,17 +30,19 @@ import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.bench.arms import (LAYOUTS, VARIANTS, Arm, build_arm, layout_config, layout_name,
-                                       native_candidates, split_label)
+                                       native_candidates, split_label, variant_config)
+from leangrpo_mcore.bench.prediction import predicted_step
 from leangrpo_mcore.bench.probe import synchronize
 from leangrpo_mcore.bench.report import StepSample, finish_report, split_phases
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.launch import DistContext, raise_if_any
 from leangrpo_mcore.engine.references import StepReferences
+from leangrpo_mcore.engine.reward_bridge import RewardBridge
 from leangrpo_mcore.engine.step import StepInputs, StepResult
 from leangrpo_mcore.engine.throughput import step_throughput
-from leangrpo_mcore.engine.trainer import RewardBridge
 from leangrpo_mcore.planner.flops import step_flops_for_config
+from leangrpo_mcore.planner.workload import Layout
 from leangrpo_mcore.schedules import SCHEDULES
 
 __all__ = ["VARIANTS", "BenchOptions", "bench_document", "parse_schedules", "run_benchmark"]
@@ -132,6 +134,8 @@ class Bench:
         """Process CPU time of the last :meth:`step`."""
         self.grad_buffers: dict[str, int] = {}
         """Most provisional gradients held at once in a step, per label (Reweight)."""
+        self.text_tokens: list[int] = []
+        """Text tokens of each measured round's prompts (trimmed per step by a masked family)."""
 
     @staticmethod
     def _layout_of(label: str, own: str) -> str:
@@ -165,8 +169,11 @@ class Bench:
         """Interleaved rounds; the measured steps of each label (warm-up rounds dropped)."""
         opts = self.options
         samples: dict[str, list[StepSample]] = {label: [] for label in self.labels}
+        self.text_tokens = []
         for round_index in range(opts.warmup + opts.steps):
             inputs = self.inputs(round_index)
+            if round_index >= opts.warmup:
+                self.text_tokens.append(int(inputs.conditioning.encoder_hidden_states.shape[1]))
             for label in self.labels:
                 seconds, result = self.step(label, inputs)
                 self.grad_buffers[label] = max(u.max_local_grad_buffers for u in result.updates)
@@ -211,12 +218,24 @@ class Bench:
         return {label: _compare(grads["native"], grads[label], rewards["native"], rewards[label])
                 for label in grads if label != "native"}
 
+    def timed_rounds(self) -> range:
+        """The training-step numbers of the measured rounds (round r runs step r)."""
+        return range(self.options.warmup, self.options.warmup + self.options.steps)
+
+    def window_starts(self) -> list:
+        """The shared SDE window's start in each measured round (None: no shared window)."""
+        plan = next(iter(self.main.engines.values())).plan
+        return [plan.window_start(step) for step in self.timed_rounds()]
+
     def shape(self) -> dict:
-        """T, |S|, samples per rank, tokens and parameter counts of the benchmarked setup."""
+        """T, T' (the rollout's forwards, fewer when the steps after the SDE window are compressed), |S|, samples
+        per rank, tokens and parameter counts of the benchmarked setup."""
         plan = next(iter(self.main.engines.values())).plan
         policy = self.main.parts.policy
         trainable = sum(p.numel() for p in self.main.params)
+        forwards = [plan.rollout_sigmas(plan.window_start(step)).numel() - 1 for step in self.timed_rounds()]
         return {"family": self.config.model.family, "num_steps": plan.num_steps,
+                "rollout_steps": sum(forwards) / len(forwards), "updates_per_rollout": plan.updates_per_rollout,
                 "steps_per_sample": plan.steps_per_sample, "group_size": plan.group_size,
                 "prompts_per_step": plan.prompts_per_step, "micro_batch": plan.micro_batch,
                 "samples_per_rank": plan.prompts_per_step * plan.group_size // self.main.pctx.dp_size,
@@ -241,15 +260,32 @@ class Bench:
 
     def throughput(self) -> dict[str, dict]:
         """Per label: the FLOP count of its step (model FLOPs over all ranks, the sample-passes of one
-        data-parallel rank by kind) and the throughput scalars' inputs, as the trainer logs them."""
+        data-parallel rank by kind) and the throughput scalars' inputs, as the trainer logs them (a family that
+        trims its prompts per step: the mean count over the measured rounds' text lengths)."""
         out = {}
+        lengths = self.text_tokens
         for label, arm in self.arm_of.items():
             config, schedule = arm.config, arm.engines[label].plan.schedule
             meter = step_throughput(config, schedule, self.dist.world_size, self.dist.device)
-            flops = step_flops_for_config(config, schedule)
+            starts = [start for start in self.window_starts() if start is not None]
+            flops = step_flops_for_config(config, schedule, window_start=starts[0] if starts else None)
+            per_step = meter.flops_per_step
+            if per_step is not None and meter.flops_for_text is not None and lengths:
+                per_step = sum(meter.flops_for_text(n) for n in lengths) / len(lengths)
             out[label] = {"samples_per_step": meter.samples_per_step, "devices": meter.devices,
-                          "flops_per_step": meter.flops_per_step, "peak_tflops": meter.peak_tflops,
+                          "flops_per_step": per_step, "peak_tflops": meter.peak_tflops,
                           "passes_per_rank": flops.per_rank_counts(arm.pctx.dp_size)}
+        return out
+
+    def predictions(self) -> dict[str, dict]:
+        """Per label the planner's predicted step time (:func:`~leangrpo_mcore.bench.prediction.predicted_step`)."""
+        out = {}
+        for label, arm in self.arm_of.items():
+            lay = arm.pctx.layout
+            layout = Layout(tp=int(lay.tp), dp_shard=int(lay.dp_shard), dp_replicate=int(lay.dp_replicate),
+                            cp=int(lay.cp), pp=int(lay.pp))
+            out[label] = predicted_step(variant_config(arm.config, label), arm.engines[label].plan.schedule, layout,
+                                        self.dist.world_size, self.dist.device.type, self.window_starts())
         return out
 
     def run(self) -> dict:
@@ -264,9 +300,11 @@ class Bench:
             arm.snapshot.restore()
         meta = {**self.meta(), "load_average": {"start": load_start, "end": load_end}}
         report = finish_report({"meta": meta, "shape": self.shape()}, samples, self.throughput())
+        predictions = self.predictions()
         for label, entry in report["schedules"].items():
             entry["peak_memory_bytes"] = memory[label]
             entry["local_grad_buffers"] = self.grad_buffers[label]
+            entry["predicted"] = predictions[label]
         if parity is not None:
             report["parity"] = parity
         return report
@@ -281,8 +319,8 @@ def _load_average() -> Optional[list[float]]:
 
 
 def _tokens(family: str, latent_shape: tuple[int, ...], policy: torch.nn.Module) -> int:
-    """Image tokens the policy attends over: FLUX packed tokens, SD3 and Wan latent patches."""
-    if family == "flux":
+    """Image tokens the policy attends over: FLUX and Qwen-Image packed tokens, SD3 and Wan latent patches."""
+    if family in ("flux", "qwen_image"):
         return int(latent_shape[0])
     if family == "sd3":
         patch = policy.config.patch_size

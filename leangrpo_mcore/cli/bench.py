@@ -81,8 +81,7 @@ def _main(argv: Sequence[str] | None) -> int:
     configs = [load_config(args.config, [*args.overrides, *([f"{key}={v}"] if key else [])]) for v in values]
     from leangrpo_mcore.bench.runner import BenchOptions, bench_document, parse_schedules, run_benchmark
     from leangrpo_mcore.engine.build import resolve_plan
-    from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown
-    from leangrpo_mcore.engine.trainer import user_errors
+    from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown, user_errors
     from leangrpo_mcore.parallel.mesh import destroy_parallel_context
 
     with user_errors():

@@ -1,6 +1,6 @@
 """`leangrpo-convert`: convert transformer checkpoints between diffusers and our policy format.
 
-  leangrpo-convert diffusers-to-mcore --model {flux,sd3,wan} --src DIFFUSERS_TRANSFORMER_DIR --dst DIR
+  leangrpo-convert diffusers-to-mcore --model {flux,qwen_image,sd3,wan} --src DIFFUSERS_TRANSFORMER_DIR --dst DIR
   leangrpo-convert mcore-to-diffusers --src DIR --dst DIR [--keep-lora]
 
 The diffusers side is a transformer directory (``config.json`` + ``*.safetensors``, sharded index
@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert transformer checkpoints between diffusers and the leangrpo_mcore format.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     to_ours = sub.add_parser("diffusers-to-mcore", help="diffusers transformer dir -> our checkpoint")
-    to_ours.add_argument("--model", required=True, choices=("flux", "sd3", "wan"), help="model family of --src")
+    to_ours.add_argument("--model", required=True, choices=("flux", "qwen_image", "sd3", "wan"),
+                         help="model family of --src")
     to_ours.add_argument("--src", required=True, help="diffusers transformer directory (config.json + *.safetensors), "
                                                       "or a two-expert pipeline root (transformer/, transformer_2/)")
     to_ours.add_argument("--dst", required=True, help="output directory (our format)")
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_diffusers.add_argument("--keep-lora", action="store_true",
                               help=f"keep adapters unmerged, written to {LORA_FILE}")
     to_diffusers.add_argument("--overwrite", action="store_true", help="write into a non-empty --dst")
+    to_diffusers.add_argument("--no-verify", action="store_true",
+                              help="read a training checkpoint without checking it against its COMPLETE marker "
+                                   "(by default a damaged or incomplete one is refused)")
     to_diffusers.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                               help="dtype of the exported weights (default: the master weights' dtype, e.g. "
                                    "float32: for merged LoRA adapters the adapters' dtype, else as stored)")
@@ -158,13 +162,17 @@ def export_dtype(adapters: dict, keep_lora: bool, dtype: Optional[str]) -> Optio
 
 
 def mcore_to_diffusers(src: str, dst: str, *, keep_lora: bool = False, overwrite: bool = False,
-                       dtype: Optional[str] = None) -> Path:
+                       dtype: Optional[str] = None, verify: bool = True) -> Path:
     """Export our checkpoint at ``src`` (a policy directory or a training checkpoint ``step_<N>``) as a diffusers
-    transformer directory at ``dst``, in ``dtype`` (default: the master weights' dtype, see :func:`export_dtype`). A training checkpoint is read one
-    tensor at a time from its sharded files, without its optimizer state and without a launch."""
+    transformer directory at ``dst``, in ``dtype`` (default: the master weights' dtype, see
+    :func:`export_dtype`). A training checkpoint is first checked against its ``COMPLETE`` marker (unless not
+    ``verify``), then read one tensor at a time from its sharded files, without its optimizer state and without a
+    launch."""
+    from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
     from leangrpo_mcore.models.common import checkpoint as ckpt
     from leangrpo_mcore.models.registry import get_family
 
+    verify_before_reading(src, "--src", enabled=verify, switch="--no-verify")
     meta, source = ckpt.read_policy_checkpoint(src)
     family = get_family(meta["family"])
     config = family.config_cls.from_diffusers_config(meta["config"])
@@ -218,7 +226,7 @@ def _main(argv: Sequence[str] | None) -> int:
             out = diffusers_to_mcore(args.model, args.src, args.dst, overwrite=args.overwrite)
         else:
             out = mcore_to_diffusers(args.src, args.dst, keep_lora=args.keep_lora, overwrite=args.overwrite,
-                                     dtype=args.dtype)
+                                     dtype=args.dtype, verify=not args.no_verify)
     except UserError:
         raise
     except ValueError as err:  # a config or state dict of the wrong kind, reported by the family code

@@ -38,8 +38,8 @@ WORKLOAD_FLAGS = ("resolution", "frames", "num_steps", "selected_steps", "group_
                   "micro_batch", "lora_rank", "precision", "activation_checkpointing", "kl_beta", "cfg_scale", "cp", "pp",
                   "reshard_after_forward", "image_conditioning", "experts_train")
 RESHARD_FLAG = {"auto": "auto", "true": True, "false": False, "rollout": "rollout"}
-# FLUX.1-dev is guidance-distilled; Wan samples with CFG 5, SD3.5-M with FlowGRPO's 4.5
-DEFAULT_CFG_SCALE = {"flux": 1.0, "sd3": 4.5, "wan": 5.0}
+# FLUX.1-dev is guidance-distilled; Wan samples with CFG 5, SD3.5-M with FlowGRPO's 4.5, Qwen-Image with true CFG 4
+DEFAULT_CFG_SCALE = {"flux": 1.0, "sd3": 4.5, "wan": 5.0, "qwen_image": 4.0}
 MAX_TABLE_RANKS = 64
 
 
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "Wan schedule at shift 3")
     p.add_argument("--kl-beta", type=float, help="KL coefficient (default 0)")
     p.add_argument("--cfg-scale", type=float, help="classifier-free guidance (> 1 doubles every forward; "
-                                                   "default 1 for FLUX, 5 for Wan)")
+                                                   "default 1 for FLUX, 4.5 for SD3, 5 for Wan, 4 for Qwen-Image)")
     p.add_argument("--cp", type=int, help="context-parallel degree: each sample's tokens split over N GPUs of a node "
                                          "(must divide the GPUs per node and the attention heads; default: the "
                                          "planner tries every degree)")

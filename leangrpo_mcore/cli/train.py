@@ -46,7 +46,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     quiet_nonzero_ranks()
     from leangrpo_mcore.engine.launch import explain_timeout
-    from leangrpo_mcore.engine.preemption import exit_code
+    from leangrpo_mcore.engine.control.preemption import exit_code
     from leangrpo_mcore.engine.trainer import train
 
     try:

@@ -75,9 +75,15 @@ def _check_combinations(config: Config, sources: dict) -> None:
     low, high = (list(s.sde_window_range) + [0, 0])[:2]
     error = window_error(size=s.sde_window_size, low=low, high=high, schedule=s.sde_window_schedule,
                          stride=s.window_stride, shift_every=s.window_shift_every,
-                         ode_steps_after=s.ode_steps_after_window, ode_solver=s.ode_solver, num_steps=s.num_steps)
+                         ode_steps_after=s.ode_steps_after_window, ode_solver=s.ode_solver, num_steps=s.num_steps,
+                         ode_solver_before=s.ode_solver_before_window)
     if error is not None:
         raise ConfigError(error)
+    g = config.grpo
+    if s.sde_kind == "flow_grpo_cps" and (g.ratio_norm or g.grad_reweight != "none"):
+        key = "grpo.ratio_norm" if g.ratio_norm else f"grpo.grad_reweight={g.grad_reweight}"
+        raise ConfigError(f"{key} needs a Gaussian SDE step with its normalised log-density: "
+                          f"sampler.sde_kind=flow_grpo_cps drops it (use flow_grpo, wan or dance_grpo)")
 
 
 def build_section(cls: type, data: Any, prefix: str) -> Any:

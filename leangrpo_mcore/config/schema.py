@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 from leangrpo_mcore.config.fields import option
 
 SDE_KINDS = ("flow_grpo", "flow_grpo_cps", "wan", "dance_grpo")
-SIGMA_SCHEDULES = ("flux", "sd3", "dance", "wan")
+SIGMA_SCHEDULES = ("flux", "sd3", "dance", "wan", "qwen_image")
 
 
 @dataclass
@@ -28,14 +28,17 @@ class SamplerConfig:
     kind but wan (whose step sets its own noise): GRPO's log-probabilities need a stochastic rollout. The
     deterministic ODE rollout is evaluation's (eval.noise_level: 0)."""
     sigma_schedule: str = option("flux", choices=SIGMA_SCHEDULES)
-    """Sigma schedule: flux (dynamic shift from the token count), sd3 / wan (static shift), dance (time shift)."""
+    """Sigma schedule: flux (dynamic shift from the token count), qwen_image (Qwen-Image's: dynamic shift, stretched
+    to end at 0.02), sd3 / wan (static shift), dance (time shift)."""
     shift: Optional[float] = option(None, gt=0.0)
-    """Static shift of the sd3, wan and dance schedules (unused by flux, whose shift depends on tokens); null = the
+    """Static shift of the sd3, wan and dance schedules (unused by flux and qwen_image, whose shift depends on
+    tokens); null = the
     shift of the pipeline's scheduler/scheduler_config.json when model.path is a diffusers pipeline root, else 3.0."""
     guidance_scale: float = option(3.5, ge=0.0)
     """Guidance-embedding value given to a guidance-distilled policy (FLUX.1-dev: 3.5)."""
     cfg_scale: float = option(1.0, ge=1.0)
-    """Two-branch classifier-free guidance scale (Wan: 5.0); 1.0 disables the unconditional branch."""
+    """Two-branch classifier-free guidance scale (Wan: 5.0; Qwen-Image's true CFG, rescaled to the conditional
+    velocity's norm: 4.0); 1.0 disables the unconditional branch."""
     height: int = option(512, ge=16)
     """Image height in pixels."""
     width: int = option(512, ge=16)
@@ -43,8 +46,8 @@ class SamplerConfig:
     frames: int = option(1, ge=1)
     """Video frames in pixel space (1 for images)."""
     negative_prompt: str = ""
-    """Prompt of the unconditional branch of classifier-free guidance (Wan, SD3), used when cfg_scale > 1 (a
-    precomputed text-embedding cache must hold it)."""
+    """Prompt of the unconditional branch of classifier-free guidance (Wan, SD3, Qwen-Image), used when cfg_scale >
+    1 (a precomputed text-embedding cache must hold it)."""
     same_latent: bool = False
     """Share the initial noise within a prompt group (SDE noise always differs per generation)."""
     sde_window_size: int = option(0, ge=0)
@@ -64,9 +67,16 @@ class SamplerConfig:
     ode_solver: str = option("euler", choices=("euler", "dpmpp_2m"))
     """ODE steps outside the SDE window: euler, or dpmpp_2m (second-order multistep DPM-Solver++ on the data
     prediction x0 = x - sigma*v, MixGRPO-Flash). Needs sde_window_size >= 1 unless euler."""
-    ode_steps_after_window: Optional[int] = option(None, ge=0)
-    """MixGRPO-Flash: ODE steps for the remainder of the schedule after the SDE window, on points of the sigma
-    schedule (fewer forwards per rollout); 0 or null keeps every step. Needs a fixed or progressive window."""
+    ode_solver_before_window: str = option("same", choices=("same", "euler"))
+    """ODE steps before the SDE window: same (sampler.ode_solver, as after it) or euler (MixGRPO-Flash's "post"
+    strategy: Euler before the window, sampler.ode_solver only after it; the solver's history still runs through
+    every step). Needs sde_window_size >= 1 unless same."""
+    ode_steps_after_window: Optional[int | float] = option(None, ge=0)
+    """MixGRPO-Flash: compress the remainder of the schedule after the SDE window into fewer ODE steps (fewer
+    forwards per rollout). A count K: K steps on points of the sigma schedule. A ratio r in (0, 1):
+    MixGRPO-Flash's rule, int(max((T - e + 1) * r, 1)) points from the window's end e to sigma 0 (e.g. 0.4), spaced
+    evenly in the schedule's unshifted time, so the tail shrinks as the window moves (docs/algorithms.md §8).
+    0 or null keeps every step. Needs a fixed or progressive window."""
 
 
 @dataclass
@@ -94,7 +104,21 @@ class GRPOConfig:
     timestep_selection: str = option("flow_grpo", choices=("flow_grpo", "dance_grpo", "sde_window"))
     """Which steps are selected, drawn before rollout: first ones, a random subset per sample, or the SDE window."""
     updates_per_rollout: int = option(1, ge=1)
-    """Optimizer steps per rollout batch; the first is recompute-free, later ones recompute (Native)."""
+    """K, optimizer steps per training step: the step's prompt groups are rolled out once and split into K
+    blocks, one optimizer step each; the first block is recompute-free (Retain, Reweight), later ones recompute
+    (Native) at the then current parameters. train.max_steps, metrics' step and checkpoint/eval intervals count
+    training steps; optim.warmup_steps, the learning-rate schedule and sampler.window_shift_every count the K
+    optimizer steps of each."""
+    ratio_norm: bool = False
+    """GRPO-Guard's RatioNorm: the log-ratio of each trained step, centred by the mean shift its mean's drift
+    causes and scaled by the step's transition std s, s*(log p - log p_old) + mean((mu - mu_old)^2)/(2 s), so
+    that PPO's clip band sits around the ratio's mean again at every denoising step (docs/algorithms.md §9).
+    Not with sampler.sde_kind=flow_grpo_cps (its log-density drops the normalisation)."""
+    grad_reweight: str = option("none", choices=("none", "flow_grpo", "dancegrpo"))
+    """GRPO-Guard's gradient reweighting of each trained step's clipped surrogate (the KL term is not weighted):
+    none; flow_grpo, 1/|dt| (FlowGRPO's sigma form, std_t = a*sqrt(sigma/(1-sigma))); dancegrpo,
+    1/(|dt|*(1 + eta^2*(1-sigma)/(2*sigma))) (DanceGRPO's constant std_t = eta). Each equalises the steps'
+    gradients for its SDE (docs/algorithms.md §9). Not with sampler.sde_kind=flow_grpo_cps."""
 
 
 @dataclass
@@ -158,9 +182,9 @@ class ExpertsConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy (FLUX, SD3 or Wan) and its conditioning models."""
+    """The policy (FLUX, SD3, Wan or Qwen-Image) and its conditioning models."""
 
-    family: str = option("flux", choices=("flux", "sd3", "wan"))
+    family: str = option("flux", choices=("flux", "sd3", "wan", "qwen_image"))
     """Policy architecture family."""
     path: Optional[str] = None
     """A diffusers transformer directory or a leangrpo_mcore checkpoint; null builds from `preset` + `arch`."""
@@ -180,7 +204,8 @@ class ModelConfig:
     master_dtype: Optional[str] = option(None, choices=("float32", "bfloat16"))
     """dtype of the master weights (the FSDP2 shards) and of the optimizer state; null = float32."""
     fp8: Optional[str] = option(None, choices=("tensorwise", "mxfp8", "blockwise"))
-    """FP8 recipe for TE layers (null = off); needs the te backend."""
+    """FP8 recipe for TE layers (null = off); needs the te backend: current scaling per tensor (tensorwise), per
+    1x128 / 128x128 block (blockwise) or MXFP8 blocks of 32 (mxfp8), all in Transformer Engine 2.9 and later."""
     activation_checkpointing: bool | Literal["auto"] = False
     """Recompute each block's activations in backward. auto: the layout planner decides at launch, with the
     data-parallel degrees (docs/planning.md, "Auto layout"): on only when nothing fits without it."""
@@ -196,12 +221,14 @@ class ModelConfig:
     """diffusers pipeline directory holding the text encoders, or the precomputed embedding cache."""
     text_max_length: int = option(512, ge=1)
     """Text tokens per prompt of the diffusers and precomputed text encoders (T5 / UMT5: 512; SD3: CLIP's 77 plus
-    T5's, FlowGRPO's 77 + 128; a precomputed cache must have been written with the same length); the hashed CPU
-    encoder always uses 16."""
+    T5's, FlowGRPO's 77 + 128; Qwen-Image: the most Qwen2.5-VL states kept after the template's prefix, the
+    pipeline's max_sequence_length, padding trimmed per step; a precomputed cache must have been written with the
+    same length); the hashed CPU encoder always uses 16."""
     vae: str = option("tiny", choices=("tiny", "diffusers"))
     """Latent decoder: tiny random VAE for CPU runs, or diffusers weights from `vae_path`."""
     vae_path: Optional[str] = None
-    """diffusers VAE directory (AutoencoderKL for FLUX, AutoencoderKLWan for Wan)."""
+    """diffusers VAE directory (AutoencoderKL for FLUX and SD3, AutoencoderKLWan for Wan, AutoencoderKLQwenImage for
+    Qwen-Image)."""
 
 
 @dataclass
@@ -285,7 +312,8 @@ class OptimConfig:
     lr_scheduler: str = option("constant", choices=("constant", "linear", "cosine"))
     """Learning-rate decay after warm-up."""
     warmup_steps: int = option(0, ge=0)
-    """Linear warm-up steps."""
+    """Linear warm-up steps, in optimizer steps (grpo.updates_per_rollout per training step); the decay ends at
+    train.max_steps * grpo.updates_per_rollout of them."""
 
 
 @dataclass
@@ -295,7 +323,8 @@ class TrainConfig:
     output_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, tensorboard/."""
     max_steps: int = option(10, ge=0)
-    """Optimizer steps to run."""
+    """Training steps to run: each one rollout of grpo.prompts_per_step groups and grpo.updates_per_rollout
+    optimizer steps (so max_steps * updates_per_rollout optimizer steps in all)."""
     seed: int = option(0, ge=0)
     """Seed of prompts, initial noise, SDE noise and selected steps (independent of rank and layout)."""
     ema_decay: float = option(0.0, ge=0.0, lt=1.0)
@@ -326,7 +355,14 @@ class CheckpointConfig:
     save_every: int = option(0, ge=0)
     """Save every N steps (0: only at the end)."""
     resume: Optional[str] = None
-    """null (fresh run), auto (newest complete checkpoint in output_dir), or a checkpoint path."""
+    """null (fresh run), auto (the newest checkpoint in output_dir that verifies; damaged newer ones are set aside,
+    and when every checkpoint is damaged the run stops instead of training from step 0), fresh_if_damaged (auto,
+    except that a run directory whose every checkpoint is damaged starts afresh on purpose, the damaged ones set
+    aside), or a checkpoint path."""
+    verify: bool = True
+    """Check a training checkpoint's COMPLETE marker (every file's size and CRC-32, each rank reading its share)
+    before anything reads it: checkpoint.resume, model.path and leangrpo-eval --checkpoint. false skips the check
+    on purpose, with one log line (a read error is still one line; altered weights then go unnoticed)."""
     keep_last: int = option(0, ge=0)
     """Keep only the newest N checkpoints (0 keeps all); the one just written is always kept."""
     async_save: bool = False
@@ -394,7 +430,7 @@ class EvalConfig:
     """Periodic evaluation on fixed held-out prompts with a deterministic sampler (docs/evaluation.md)."""
 
     every: int = option(0, ge=0)
-    """Evaluate every N optimizer steps (0: never during training; leangrpo-eval still works)."""
+    """Evaluate every N training steps (0: never during training; leangrpo-eval still works)."""
     before_train: bool = False
     """Also evaluate before the first step (logged as step 0; not repeated when a run resumes)."""
     prompts: Optional[str] = None

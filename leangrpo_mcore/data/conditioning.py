@@ -9,8 +9,9 @@ Three providers share one interface (:class:`TextEncoder`, in :mod:`.text_encode
 - ``precomputed``: embeddings cached on disk by ``tools/precompute_embeddings.py`` (:mod:`.embedding_cache`).
 
 Every provider returns float32 tensors: ``encoder_hidden_states`` (B, L, D), ``pooled_projections`` (B, P) for
-FLUX (None for Wan), the negative-prompt tokens (B, L, D) when a negative prompt is set (Wan's CFG), and the
-distilled-guidance value (B,) when one is set (FLUX-dev).
+FLUX and SD3 (None for Wan and Qwen-Image), the negative-prompt tokens (B, L, D) when a negative prompt is set
+(CFG), the distilled-guidance value (B,) when one is set (FLUX-dev), and for Qwen-Image the bool token masks of
+the prompts padded to the longest.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import torch
 
 from leangrpo_mcore.data.text_encoder import (  # noqa: F401 (the interface, re-exported)
     FAMILIES,
+    MASKED_FAMILIES,
     T5_MAX_LENGTH,
     TextDims,
+    TextEmbeddings,
     TextEncoder,
     check_family,
 )
@@ -47,7 +50,8 @@ class HashedTextEncoder(TextEncoder):
     Tokens are the lower-cased words and punctuation of the prompt plus an end token (like T5's ``</s>``), cut
     to ``max_length`` with the end token kept; token i gets the fixed N(0, 1) vector of its word, drawn from a
     generator seeded by a keyed blake2b hash of (word, ``seed``); positions after the end token are zero (as in
-    Wan's padded UMT5 output). The pooled vector is the mean of per-word vectors from a second hash domain.
+    Wan's padded UMT5 output) and, for a masked family (Qwen-Image), masked. The pooled vector is the mean of
+    per-word vectors from a second hash domain.
     """
 
     def __init__(
@@ -79,16 +83,21 @@ class HashedTextEncoder(TextEncoder):
             self._vectors[(domain, word)] = cached
         return cached
 
-    def embed(self, prompts: list[str]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Tokens (B, L, D) and, for FLUX, pooled (B, P); float32."""
+    def embed(self, prompts: list[str]) -> TextEmbeddings:
+        """Tokens (B, L, D), for FLUX and SD3 pooled (B, P), for Qwen-Image the mask (B, L); float32."""
         tokens = torch.zeros(len(prompts), self.dims.max_length, self.dims.text_dim)
         pooled = None if self.dims.pooled_dim is None else torch.zeros(len(prompts), self.dims.pooled_dim)
+        lengths = []
         for row, prompt in enumerate(prompts):
             words = self.tokenize(prompt)
+            lengths.append(len(words))
             tokens[row, : len(words)] = torch.stack([self._vector("token", w, self.dims.text_dim) for w in words])
             if pooled is not None:
                 pooled[row] = torch.stack([self._vector("pooled", w, self.dims.pooled_dim) for w in words]).mean(0)
-        return tokens, pooled
+        mask = None
+        if self.family in MASKED_FAMILIES:
+            mask = torch.arange(self.dims.max_length)[None, :] < torch.tensor(lengths)[:, None]
+        return TextEmbeddings(tokens, pooled, mask)
 
 
 def build_text_encoder(

@@ -6,7 +6,9 @@ pipeline calls it). SD3 (``StableDiffusion3Pipeline.encode_prompt``): the penult
 (``text_encoder``) and CLIP-G (``text_encoder_2``, both ``CLIPTextModelWithProjection``, 77 tokens) side by
 side, zero-padded to T5's width and followed along the tokens by T5 ``text_encoder_3``'s states; the pooled
 vector is both CLIPs' projected outputs side by side. Wan (``WanPipeline``): UMT5 ``text_encoder`` + ``tokenizer`` with the attention mask, and the
-states after each prompt's last real token set to zero. Nothing is ever downloaded (``local_files_only``).
+states after each prompt's last real token set to zero. Qwen-Image (``QwenImagePipeline.encode_prompt``):
+Qwen2.5-VL ``text_encoder`` + ``tokenizer`` on the pipeline's chat template (:mod:`.qwen_image_text`). Nothing is
+ever downloaded (``local_files_only``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from leangrpo_mcore.data.text_encoder import T5_MAX_LENGTH, TextDims, TextEncoder
+from leangrpo_mcore.data.qwen_image_text import qwen_prompt_states
+from leangrpo_mcore.data.text_encoder import T5_MAX_LENGTH, TextDims, TextEmbeddings, TextEncoder
 from leangrpo_mcore.errors import UserError, require_extra
 
 CLIP_MAX_LENGTH = 77
@@ -27,6 +30,7 @@ _SUBFOLDERS = {
     "flux": ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2"),
     "sd3": ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "tokenizer_3", "text_encoder_3"),
     "wan": ("tokenizer", "text_encoder"),
+    "qwen_image": ("tokenizer", "text_encoder"),
 }
 
 
@@ -55,10 +59,23 @@ def _config_value(path: Path, key: str) -> int:
         raise UserError(f"cannot read {key!r} from {config}: {type(exc).__name__}") from None
 
 
+def _qwen_width(path: Path) -> int:
+    """Qwen2.5-VL's hidden size: ``text_config.hidden_size`` (transformers 5) or the top-level one (4.x)."""
+    config = path / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+        return int((data.get("text_config") or {}).get("hidden_size") or data["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"cannot read 'hidden_size' from {config}: {type(exc).__name__}") from None
+
+
 def pipeline_text_dims(path: str | Path, family: str, *, max_length: int = T5_MAX_LENGTH) -> TextDims:
     """The dims a pipeline's encoders produce: T5/UMT5 ``d_model`` and, for FLUX, CLIP's ``hidden_size`` (SD3:
-    the sum of both CLIPs' ``projection_dim``, and ``max_length`` counts CLIP's 77 tokens too)."""
+    the sum of both CLIPs' ``projection_dim``, and ``max_length`` counts CLIP's 77 tokens too; Qwen-Image:
+    Qwen2.5-VL's ``hidden_size``)."""
     root = Path(path)
+    if family == "qwen_image":
+        return TextDims(_qwen_width(root / "text_encoder"), None, max_length)
     if family == "sd3":
         pooled = sum(_config_value(root / name, "projection_dim") for name in ("text_encoder", "text_encoder_2"))
         return TextDims(_config_value(root / "text_encoder_3", "d_model"), pooled, max_length)
@@ -71,7 +88,7 @@ def pipeline_text_dims(path: str | Path, family: str, *, max_length: int = T5_MA
 
 
 class DiffusersTextEncoder(TextEncoder):
-    """The text encoders of a diffusers FLUX, SD3 or Wan pipeline directory, frozen, in eval mode."""
+    """The text encoders of a diffusers FLUX, SD3, Wan or Qwen-Image pipeline directory, frozen, in eval mode."""
 
     def __init__(
         self,
@@ -107,6 +124,10 @@ class DiffusersTextEncoder(TextEncoder):
             self.text_encoder_2 = self._load_model(T5EncoderModel, "text_encoder_2", dtype)
         elif family == "sd3":
             self._load_sd3(dtype)
+        elif family == "qwen_image":
+            from transformers import Qwen2_5_VLForConditionalGeneration
+
+            self.text_encoder = self._load_model(Qwen2_5_VLForConditionalGeneration, "text_encoder", dtype)
         else:
             from transformers import UMT5EncoderModel
 
@@ -178,16 +199,22 @@ class DiffusersTextEncoder(TextEncoder):
         # ones, so multiplying by it is that exactly.
         return hidden * mask.unsqueeze(-1).to(hidden.dtype)
 
-    def embed(self, prompts: list[str]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Tokens (B, L, D) and, for FLUX and SD3, pooled (B, P); float32 on the encoders' device."""
-        tokens, pooled = [], []
+    def embed(self, prompts: list[str]) -> TextEmbeddings:
+        """Tokens (B, L, D), for FLUX and SD3 pooled (B, P), for Qwen-Image the mask (B, L); float32 on the
+        encoders' device."""
+        tokens, pooled, masks = [], [], []
         for start in range(0, len(prompts), self.batch_size):
             chunk = prompts[start:start + self.batch_size]
             if self.family in ("flux", "sd3"):
                 embed = self._embed_flux if self.family == "flux" else self._embed_sd3
                 chunk_tokens, chunk_pooled = embed(chunk)
                 pooled.append(chunk_pooled)
+            elif self.family == "qwen_image":
+                chunk_tokens, chunk_mask = qwen_prompt_states(self.tokenizer, self.text_encoder, chunk,
+                                                              self.dims.max_length, self.device)
+                masks.append(chunk_mask)
             else:
                 chunk_tokens = self._embed_wan(chunk)
             tokens.append(chunk_tokens)
-        return torch.cat(tokens), (torch.cat(pooled) if pooled else None)
+        return TextEmbeddings(torch.cat(tokens), torch.cat(pooled) if pooled else None,
+                              torch.cat(masks) if masks else None)

@@ -1,7 +1,8 @@
 """Text embeddings cached on disk (the ``precomputed`` provider), as DanceGRPO precomputes its T5 states.
 
 A cache is a directory with ``index.json`` and shards ``embeddings-NNNNN.safetensors``. Each shard holds
-``encoder_hidden_states`` (n, L, D) and, for FLUX, ``pooled_projections`` (n, P), stored in the cache dtype.
+``encoder_hidden_states`` (n, L, D), for FLUX and SD3 ``pooled_projections`` (n, P), stored in the cache dtype,
+and for Qwen-Image the bool ``encoder_attention_mask`` (n, L) of the real tokens.
 ``index.json``::
 
     {"format": "leangrpo_mcore.text_embeddings", "version": 1, "family": "flux", "text_dim": D,
@@ -24,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from leangrpo_mcore.data.text_encoder import TextDims, TextEncoder
+from leangrpo_mcore.data.text_encoder import MASKED_FAMILIES, TextDims, TextEmbeddings, TextEncoder
 from leangrpo_mcore.errors import UserError
 
 CACHE_FORMAT = "leangrpo_mcore.text_embeddings"
@@ -68,10 +69,12 @@ def write_embedding_cache(
     entries: dict[str, dict[str, Any]] = {}
     for shard_index, start in enumerate(range(0, len(unique), shard_size)):
         chunk = unique[start:start + shard_size]
-        tokens, pooled = encoder.embed(chunk)
+        tokens, pooled, mask = encoder.embed(chunk)
         tensors = {"encoder_hidden_states": tokens.to(dtype).cpu().contiguous()}
         if pooled is not None:
             tensors["pooled_projections"] = pooled.to(dtype).cpu().contiguous()
+        if mask is not None:
+            tensors["encoder_attention_mask"] = mask.cpu().contiguous()
         shard = f"embeddings-{shard_index:05d}.safetensors"
         save_file(tensors, str(out / shard))
         entries.update({prompt_key(p): {"prompt": p, "shard": shard, "row": row} for row, p in enumerate(chunk)})
@@ -148,13 +151,23 @@ class PrecomputedTextEncoder(TextEncoder):
             raise UserError(f"prompt not in the embedding cache {self.root}: {shown!r}")
         return entry
 
-    def embed(self, prompts: list[str]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Tokens (B, L, D) and, for FLUX, pooled (B, P), read from the cache as float32."""
-        tokens, pooled = [], []
+    def embed(self, prompts: list[str]) -> TextEmbeddings:
+        """Tokens (B, L, D), for FLUX and SD3 pooled (B, P), for Qwen-Image the mask (B, L), read from the cache
+        (float32 tokens)."""
+        tokens, pooled, masks = [], [], []
         for prompt in prompts:
             entry = self._entry(prompt)
             shard, row = self._shard(entry["shard"]), int(entry["row"])
             tokens.append(shard.get_slice("encoder_hidden_states")[row:row + 1].float())
             if self.dims.pooled_dim is not None:
                 pooled.append(shard.get_slice("pooled_projections")[row:row + 1].float())
-        return torch.cat(tokens), (torch.cat(pooled) if pooled else None)
+            if self.family in MASKED_FAMILIES:
+                masks.append(self._mask(shard, row))
+        return TextEmbeddings(torch.cat(tokens), torch.cat(pooled) if pooled else None,
+                              torch.cat(masks) if masks else None)
+
+    def _mask(self, shard: Any, row: int) -> torch.Tensor:
+        if "encoder_attention_mask" not in shard.keys():
+            raise UserError(f"embedding cache {self.root} holds no encoder_attention_mask ({self.family} needs it: "
+                            "rewrite it with tools/precompute_embeddings.py)")
+        return shard.get_slice("encoder_attention_mask")[row:row + 1].to(torch.bool)

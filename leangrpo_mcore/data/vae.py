@@ -5,7 +5,9 @@ w = W/f the VAE latent size (FluxPipeline ``_pack_latents``). Its ``AutoencoderK
 ``z / scaling_factor + shift_factor``. SD3 samples unpacked latents (B, C, h, w) (its transformer patches them
 itself) through an ``AutoencoderKL`` with the same normalisation (SD3.5's factors: scaling 1.5305, shift
 0.0609). Wan samples video latents (B, C, F', h, w) with F' = (F − 1)/4 + 1; its
-``AutoencoderKLWan`` decodes ``z · latents_std + latents_mean`` (per channel). f is the VAE's spatial factor
+``AutoencoderKLWan`` decodes ``z · latents_std + latents_mean`` (per channel). Qwen-Image samples packed latents
+as FLUX does; its ``AutoencoderKLQwenImage`` (a one-frame video VAE) decodes ``z · latents_std + latents_mean``
+(per channel, QwenImagePipeline's normalisation) on a frame axis of one. f is the VAE's spatial factor
 (:mod:`leangrpo_mcore.vae_factors`): 8 for FLUX and Wan2.1, 16 for Wan2.2's 48-channel VAE, which patches 2×2
 pixels before its three down-samplings. Decoded pixels in [−1, 1] are mapped to [0, 1] as diffusers' image
 processor does ((x + 1)/2, clamped).
@@ -30,14 +32,18 @@ from leangrpo_mcore import vae_factors
 from leangrpo_mcore.vae_factors import (FLUX_SPATIAL_FACTOR, SD3_SCALING_FACTOR, SD3_SHIFT_FACTOR, WAN21_SPATIAL_FACTOR,
                                         WAN22_SPATIAL_FACTOR)
 
-FAMILIES = ("flux", "sd3", "wan")
+FAMILIES = ("flux", "sd3", "wan", "qwen_image")
 VAE_KINDS = ("tiny", "diffusers")
 WAN_TEMPORAL_FACTOR = 4
 # FLUX.1's AutoencoderKL normalisation (the released vae/config.json).
 FLUX_SCALING_FACTOR = 0.3611
 FLUX_SHIFT_FACTOR = 0.1159
-_CLASS_NAMES = {"flux": "AutoencoderKL", "sd3": "AutoencoderKL", "wan": "AutoencoderKLWan"}
+_CLASS_NAMES = {"flux": "AutoencoderKL", "sd3": "AutoencoderKL", "wan": "AutoencoderKLWan",
+                "qwen_image": "AutoencoderKLQwenImage"}
 _IMAGE_FAMILIES = ("flux", "sd3")
+"""Families whose ``AutoencoderKL`` normalises latents with a scaling and a shift factor."""
+PACKED_FAMILIES = ("flux", "qwen_image")
+"""Families whose policy samples 2x2-packed latent tokens."""
 
 
 def _check_family(family: str) -> None:
@@ -49,7 +55,7 @@ def latent_shape(
     family: str, height: int, width: int, frames: int = 1, channels: int = 16, *,
     spatial_factor: Optional[int] = None,
 ) -> tuple[int, ...]:
-    """Per-sample latent shape the policy samples: FLUX packed (tokens, C·4); SD3 (C, H/f, W/f); Wan
+    """Per-sample latent shape the policy samples: FLUX and Qwen-Image packed (tokens, C·4); SD3 (C, H/f, W/f); Wan
     (C, F', H/f, W/f).
 
     ``spatial_factor`` is the VAE's spatial factor f (None: the family's VAE for ``channels`` latent channels,
@@ -65,9 +71,9 @@ def latent_shape(
         raise UserError(f"sampler.height and sampler.width must be positive multiples of {step} (the VAE "
                         f"compresses {f}x, the policy patches 2x2), got {height}x{width}")
     h, w = height // f, width // f
-    if family == "flux":
+    if family in PACKED_FAMILIES:
         if frames != 1:
-            raise ValueError(f"flux generates images: frames must be 1, got {frames}")
+            raise ValueError(f"{family} generates images: frames must be 1, got {frames}")
         return ((h // 2) * (w // 2), channels * 4)
     if family == "sd3":
         if frames != 1:
@@ -114,7 +120,8 @@ class LatentDecoder:
     """A diffusers VAE with the family's latent normalisation; decodes in chunks without grad."""
 
     def __init__(self, vae: torch.nn.Module, family: str, *, batch_size: Optional[int] = None) -> None:
-        """Wrap ``vae`` (AutoencoderKL for FLUX, AutoencoderKLWan for Wan), frozen and in eval mode."""
+        """Wrap ``vae`` (AutoencoderKL for FLUX and SD3, AutoencoderKLWan for Wan, AutoencoderKLQwenImage for
+        Qwen-Image), frozen and in eval mode."""
         _check_family(family)
         if batch_size is not None and batch_size < 1:
             raise ValueError(f"decode batch_size must be >= 1, got {batch_size}")
@@ -124,7 +131,7 @@ class LatentDecoder:
         config = vae.config
         self.latent_channels = int(config.latent_channels if family in _IMAGE_FAMILIES else config.z_dim)
         self.spatial_factor = _vae_spatial_factor(config, family)  # pixels per latent pixel, per side
-        if family == "wan":
+        if family not in _IMAGE_FAMILIES:
             view = (1, self.latent_channels, 1, 1, 1)
             self._mean = torch.tensor(config.latents_mean, dtype=torch.float32).view(view)
             self._std = torch.tensor(config.latents_std, dtype=torch.float32).view(view)
@@ -155,12 +162,14 @@ class LatentDecoder:
     def decode(
         self, latents: torch.Tensor, *, height: Optional[int] = None, width: Optional[int] = None
     ) -> DecodedImages:
-        """Policy latents -> images in [0, 1]. FLUX: packed (B, tokens, C·4), needs ``height`` and ``width``;
-        Wan: (B, C, F', h, w)."""
-        if self.family == "flux":
+        """Policy latents -> images in [0, 1]. FLUX and Qwen-Image: packed (B, tokens, C·4), needs ``height`` and
+        ``width``; Wan: (B, C, F', h, w)."""
+        if self.family in PACKED_FAMILIES:
             if height is None or width is None:
-                raise ValueError("decoding FLUX latents needs the image height and width")
+                raise ValueError(f"decoding {self.family} latents needs the image height and width")
             latents = unpack_latents(latents, height, width, self.spatial_factor)
+            if self.family == "qwen_image":  # a video VAE: one frame
+                latents = latents.unsqueeze(2)
         expected_ndim = 4 if self.family in _IMAGE_FAMILIES else 5
         if latents.ndim != expected_ndim or latents.shape[1] != self.latent_channels:
             raise ValueError(
@@ -174,9 +183,9 @@ class LatentDecoder:
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """Images in [0, 1] -> normalised policy latents (float32, the distribution's mode). FLUX: (B, 3, H, W)
-        -> packed; Wan: (B, 3, H, W) or (B, 3, F, H, W) -> (B, C, F', h, w)."""
-        if self.family == "wan" and images.ndim == 4:
+        """Images in [0, 1] -> normalised policy latents (float32, the distribution's mode). FLUX and Qwen-Image:
+        (B, 3, H, W) -> packed; Wan: (B, 3, H, W) or (B, 3, F, H, W) -> (B, C, F', h, w)."""
+        if self.family not in _IMAGE_FAMILIES and images.ndim == 4:
             images = images.unsqueeze(2)
         pixels = (images.float() * 2 - 1).to(self.device, self.dtype)
         latents = torch.cat([self.vae.encode(c).latent_dist.mode().float() for c in self._chunks(pixels)])
@@ -184,22 +193,30 @@ class LatentDecoder:
             shift = float(self.vae.config.shift_factor or 0.0)
             latents = (latents - shift) * float(self.vae.config.scaling_factor)
             return pack_latents(latents) if self.family == "flux" else latents
-        return (latents - self._mean.to(latents.device)) / self._std.to(latents.device)
+        latents = (latents - self._mean.to(latents.device)) / self._std.to(latents.device)
+        return pack_latents(latents[:, :, 0]) if self.family == "qwen_image" else latents
 
 
 def _vae_spatial_factor(config: Any, family: str) -> int:
     """Spatial factor of a diffusers VAE: 2 per down-sampling stage, times Wan's pixel patch (Wan2.2: 2)."""
     if family in _IMAGE_FAMILIES:
         return 2 ** (len(config.block_out_channels) - 1)
+    if family == "qwen_image":  # QwenImagePipeline's vae_scale_factor
+        return 2 ** len(config.temperal_downsample)
     return 2 ** (len(config.dim_mult) - 1) * int(getattr(config, "patch_size", None) or 1)
 
 
 def _tiny_vae(family: str, channels: int, factor: int) -> torch.nn.Module:
-    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
-    valid = (FLUX_SPATIAL_FACTOR,) if family in _IMAGE_FAMILIES else (WAN21_SPATIAL_FACTOR, WAN22_SPATIAL_FACTOR)
+    valid = (WAN21_SPATIAL_FACTOR, WAN22_SPATIAL_FACTOR) if family == "wan" else (FLUX_SPATIAL_FACTOR,)
     if factor not in valid:
         raise ValueError(f"a tiny {family} VAE compresses {' or '.join(map(str, valid))}x, not {factor}x")
+    if family == "qwen_image":  # the release's layout and latent statistics (diffusers' defaults) at tiny width
+        return AutoencoderKLQwenImage(base_dim=8, z_dim=channels, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                      temperal_downsample=[False, True, True],
+                                      **({} if channels == 16 else {"latents_mean": [0.0] * channels,
+                                                                    "latents_std": [1.0] * channels}))
 
     if family in _IMAGE_FAMILIES:
         flux = family == "flux"
@@ -277,9 +294,10 @@ def build_vae(
         if path is None:
             raise UserError("model.vae=diffusers needs model.vae_path")
         root = _vae_dir(path, family)
-        from diffusers import AutoencoderKL, AutoencoderKLWan
+        from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
-        cls: Any = AutoencoderKL if family in _IMAGE_FAMILIES else AutoencoderKLWan
+        classes = {"wan": AutoencoderKLWan, "qwen_image": AutoencoderKLQwenImage}
+        cls: Any = classes.get(family, AutoencoderKL)
         try:
             vae = cls.from_pretrained(str(root), local_files_only=True, torch_dtype=dtype)
         except Exception as exc:  # noqa: BLE001 -- any loader failure is reported as one line

@@ -14,6 +14,8 @@ correction's limit is 0). The coefficients are computed in float64 from the floa
 
 A solver serves one micro-batch's rollout: every step, each row's forward passes through :meth:`RowSolver.observe`
 (its data prediction), the ODE rows through :meth:`RowSolver.step`, and :meth:`OdeSolver.commit` closes the step.
+Rows marked ``first_order`` take the Euler step whatever the solver (MixGRPO-Flash's Euler before the SDE window),
+while their forwards still feed the history.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ class OdeSolver:
 
     name = "euler"
 
-    def on(self, rows: Rows = None) -> RowSolver:
-        """The solver for the forward of ``rows``."""
-        return RowSolver(self, rows)
+    def on(self, rows: Rows = None, first_order: Optional[torch.Tensor] = None) -> RowSolver:
+        """The solver for the forward of ``rows`` (``first_order``: a host bool per row of ``rows`` taking Euler)."""
+        return RowSolver(self, rows, first_order)
 
     def step(self, velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-             rows: Rows) -> torch.Tensor:
+             rows: Rows, first_order: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(n, *shape) float32 x_{t+1} of ``rows`` (x, velocity, sigmas: those rows')."""
         return ode_step(velocity, x, sigma, sigma_next)
 
@@ -66,11 +68,13 @@ class RowSolver:
 
     solver: OdeSolver
     rows: Rows = None
+    first_order: Optional[torch.Tensor] = None
+    """(n,) host bool: the rows that take the Euler step whatever the solver (None: none)."""
 
     def step(self, velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor,
              sigma_next: torch.Tensor) -> torch.Tensor:
         """The ODE step of the rows (detached velocity)."""
-        return self.solver.step(velocity, x, sigma, sigma_next, self.rows)
+        return self.solver.step(velocity, x, sigma, sigma_next, self.rows, self.first_order)
 
     def observe(self, velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor) -> None:
         """Note the rows' forward."""
@@ -109,12 +113,14 @@ class DPMSolverPP2M(OdeSolver):
         """This step's (data predictions, sigmas, rows seen) while it is being taken."""
 
     def step(self, velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
-             rows: Rows) -> torch.Tensor:
+             rows: Rows, first_order: Optional[torch.Tensor] = None) -> torch.Tensor:
         euler = ode_step(velocity, x, sigma, sigma_next)
-        if self._x0 is None:
+        if self._x0 is None or (first_order is not None and bool(first_order.all())):
             return euler
         coeff = second_order_coefficient(_take(self._sigma, rows), sigma.to(torch.float32),
                                          sigma_next.to(torch.float32))
+        if first_order is not None:  # a zero coefficient leaves Euler's update bit for bit
+            coeff = torch.where(first_order.to(coeff.device), torch.zeros_like(coeff), coeff)
         x0 = x.to(torch.float32) - _per_sample(sigma.to(torch.float32), x.ndim) * velocity.to(torch.float32)
         return euler + _per_sample(coeff, x.ndim) * (x0 - _take(self._x0, rows))
 

@@ -24,7 +24,7 @@ from typing import ContextManager, Protocol
 
 import torch
 
-from leangrpo_mcore.diffusion.ode_solvers import OdeSolver, RowSolver, make_ode_solver
+from leangrpo_mcore.diffusion.ode_solvers import RowSolver, make_ode_solver
 from leangrpo_mcore.diffusion.sde import SampleMean, SDEStep, check_decreasing, local_mean, sde_step, transition_std
 from leangrpo_mcore.diffusion.seeding import step_noise
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
@@ -203,15 +203,21 @@ def _advance(velocity: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma
     return out, out.prev_sample.detach(), out.log_prob.detach()
 
 
+def _keep_mean(means: torch.Tensor | None, rows: list[int] | slice, out: SDEStep | None) -> None:
+    """Write the rows' SDE mean into ``means`` (kept for the update: docs/algorithms.md §9); nothing when None."""
+    if means is not None and out is not None:
+        means[rows] = out.mean.detach().to(torch.float32)
+
+
 def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
                      conditioning: Conditioning, train: torch.Tensor, sde_rows: torch.Tensor, sde: SDEParams,
-                     noise: Callable[[list[int]], torch.Tensor], ode: OdeSolver,
+                     noise: Callable[[list[int]], torch.Tensor], solver: Callable[[list[int]], RowSolver],
                      forward_context: Callable[[bool], ContextManager],
                      hand_over: Callable[[int, SDEStep | None, torch.Tensor], None],
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     means: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One step whose trained rows each run a grad-enabled forward of batch 1, handed to ``hand_over(row, sde,
     x_{t+1})`` and freed before the next row's forward; the other rows share one no-grad forward. ``noise(rows)``
-    is the step's SDE noise of ``rows``."""
+    is the step's SDE noise of ``rows``, ``solver(rows)`` their ODE solver; ``means`` receives the SDE means."""
     prev, log_prob = torch.empty_like(x), torch.zeros(x.shape[0], device=x.device)
     trained = train.nonzero().flatten().tolist()
     rest = [r for r in range(x.shape[0]) if r not in trained]
@@ -219,7 +225,8 @@ def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tens
         with torch.set_grad_enabled(grad), forward_context(grad):
             velocity = velocity_fn(x[rows], sigma[rows], conditioning.select(rows))
             out, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
-                                                       sde_rows[rows], sde, partial(noise, rows), ode.on(rows))
+                                                       sde_rows[rows], sde, partial(noise, rows), solver(rows))
+        _keep_mean(means, rows, out)
         if grad:
             hand_over(rows[0], out, prev[rows])
         del velocity, out
@@ -236,7 +243,8 @@ class RolloutLoop:
                  prompt_ids: torch.Tensor, generation_ids: torch.Tensor,
                  grad_steps: torch.Tensor | set[int] | None = None, on_step: StepCallback | None = None,
                  forward_context: Callable[[bool], ContextManager] | None = None, split: LatentPieces | None = None,
-                 per_sample_grad: bool = False, ode_solver: str = "euler") -> None:
+                 per_sample_grad: bool = False, ode_solver: str = "euler", ode_before_window: str = "same",
+                 keep_means: bool = False) -> None:
         batch, steps = init_latents.shape[0], noise_seeds.shape[1]
         self.grad_steps = _grad_mask(grad_steps, selected)
         self.forward_context = forward_context or (lambda grad: contextlib.nullcontext())
@@ -257,6 +265,11 @@ class RolloutLoop:
         self.on_step, self.split, self.per_sample_grad = on_step, split, per_sample_grad
         self.steps, self.t = steps, 0
         self.ode = make_ode_solver(ode_solver, batch)
+        if ode_before_window not in ("same", "euler"):
+            raise ValueError(f"ode_before_window must be same or euler, got {ode_before_window!r}")
+        self.euler_before_window = ode_before_window == "euler"
+        self.keep_means = keep_means
+        self._means: list[torch.Tensor] = []
         self._xs: list[torch.Tensor] = []
         self._next_xs: list[torch.Tensor] = []
         self._log_probs: list[torch.Tensor] = []
@@ -286,6 +299,19 @@ class RolloutLoop:
             return self._noises[rows[0]]
         return torch.cat([self._noises[r] for r in rows])
 
+    def _solver(self, rows: list[int] | None = None) -> RowSolver:
+        """The ODE solver of the current step's ``rows`` (None: all): with ``ode_before_window`` euler, a row
+        whose SDE window has not begun yet takes Euler (MixGRPO-Flash's "post" strategy)."""
+        first_order = None
+        if self.euler_before_window:
+            before = ~self.sde_steps[:, : self.t].any(dim=1)
+            first_order = before if rows is None else before[rows]
+        return self.ode.on(rows, first_order)
+
+    def _mean_buffer(self) -> torch.Tensor | None:
+        """A zero (B, *shape) float32 buffer for the current step's SDE means when they are kept, else None."""
+        return torch.zeros_like(self.x, dtype=torch.float32) if self.keep_means else None
+
     def request(self) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:
         """(x_t, σ_t, conditioning): what the next step's forward takes."""
         return self.x, self.sigmas[:, self.t], self.conditioning
@@ -302,15 +328,16 @@ class RolloutLoop:
                                             sigma_next=sigma_next[[row]], sde=row_sde, train=train[[row]], grad=True,
                                             row=row))
 
+            means = self._mean_buffer()
             prev, log_prob = _per_sample_step(velocity_fn, x, sigma, sigma_next, self.conditioning, train,
-                                              self.sde_steps[:, t], self.sde, self._noise, self.ode,
-                                              self.forward_context, hand_over)
-            self._record(None, prev, log_prob, train, False)  # each row's graph was handed over before
+                                              self.sde_steps[:, t], self.sde, self._noise, self._solver,
+                                              self.forward_context, hand_over, means)
+            self._record(None, prev, log_prob, train, False, means)  # each row's graph was handed over before
             return
         with torch.set_grad_enabled(grad), self.forward_context(grad):
             velocity = velocity_fn(x, sigma, self.conditioning)
             out, prev, log_prob = _advance(velocity, x, sigma, sigma_next, self.sde_steps[:, t], self.sde,
-                                           partial(self._noise, list(range(x.shape[0]))), self.ode.on())
+                                           partial(self._noise, list(range(x.shape[0]))), self._solver())
         del velocity
         self._record(out, prev, log_prob, train, grad)
 
@@ -323,7 +350,7 @@ class RolloutLoop:
 
         def record(row: int, velocity: torch.Tensor) -> StepRecord:
             out = _denoise_step(velocity, x[[row]], sigma[[row]], sigma_next[[row]], self.sde_steps[[row], t],
-                                self.sde, partial(self._noise, [row]), self.ode.on([row]))
+                                self.sde, partial(self._noise, [row]), self._solver([row]))
             return StepRecord(t=t, latents=x[[row]], next_latents=out.prev_sample.detach(), sigma=sigma[[row]],
                               sigma_next=sigma_next[[row]], sde=out, train=train[[row]], grad=True, row=row)
 
@@ -351,13 +378,15 @@ class RolloutLoop:
         if sorted(row_velocities) != trained or (rest_velocity is None) != (not rest):
             raise ValueError(f"step {t} needs the velocities of rows {trained} and of the {len(rest)} others")
         prev, log_prob = torch.empty_like(x), torch.zeros(x.shape[0], device=x.device)
+        means = self._mean_buffer()
         with torch.no_grad():
             for rows, velocity in ([(rest, rest_velocity)] if rest else []) + \
                     [([r], row_velocities[r]) for r in trained]:
-                _, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
-                                                         self.sde_steps[rows, t], self.sde, partial(self._noise, rows),
-                                                         self.ode.on(rows))
-        self._record(None, prev, log_prob, train, False)
+                out, prev[rows], log_prob[rows] = _advance(velocity, x[rows], sigma[rows], sigma_next[rows],
+                                                           self.sde_steps[rows, t], self.sde,
+                                                           partial(self._noise, rows), self._solver(rows))
+                _keep_mean(means, rows, out)
+        self._record(None, prev, log_prob, train, False, means)
 
     def step_with(self, velocity: torch.Tensor) -> None:
         """Take the next step with its ``velocity`` computed elsewhere (:func:`rollout_together`); a step with
@@ -369,13 +398,18 @@ class RolloutLoop:
         with torch.set_grad_enabled(grad):
             out, prev, log_prob = _advance(velocity, self.x, self.sigmas[:, t], self.sigmas[:, t + 1],
                                            self.sde_steps[:, t], self.sde, partial(self._noise, every),
-                                           self.ode.on())
+                                           self._solver())
         del velocity
         self._record(out, prev, log_prob, self.selected[:, t] & self.grad_steps[:, t], grad)
 
     def _record(self, out: SDEStep | None, prev: torch.Tensor, log_prob: torch.Tensor, train: torch.Tensor,
-                grad: bool) -> None:
+                grad: bool, means: torch.Tensor | None = None) -> None:
         t, x = self.t, self.x
+        if self.keep_means:
+            if means is None:
+                means = self._mean_buffer()
+                _keep_mean(means, slice(None), out)
+            self._means.append(means)
         self._xs.append(x)
         self._next_xs.append(prev)
         self._log_probs.append(log_prob.to(torch.float32))
@@ -395,6 +429,7 @@ class RolloutLoop:
             log_probs=torch.stack(self._log_probs, dim=1), sigmas=self.sigmas, selected=self.selected.clone(),
             prompt_ids=self.prompt_ids.to(torch.long), generation_ids=self.generation_ids.to(torch.long),
             conditioning=self.conditioning, final_latents=self.x,
+            means=torch.stack(self._means, dim=1) if self.keep_means else None,
         )
 
 
@@ -416,6 +451,8 @@ def rollout(
     split: LatentPieces | None = None,
     per_sample_grad: bool = False,
     ode_solver: str = "euler",
+    ode_before_window: str = "same",
+    keep_means: bool = False,
 ) -> Trajectory:
     """Sample B trajectories from ``init_latents`` (B, *shape) along ``sigmas`` ((T+1,) or (B, T+1)).
 
@@ -428,12 +465,15 @@ def rollout(
     (e.g. FP8 scaling state; see :mod:`leangrpo_mcore.parallel.precision`). With ``split`` the latents of the
     trajectory are this rank's pieces (module doc). ``per_sample_grad`` runs the trained rows of a step with
     gradients one at a time (:attr:`StepRecord.row`). The ODE steps (``sde_steps`` False) take ``ode_solver``'s
-    update (:mod:`leangrpo_mcore.diffusion.ode_solvers`). Returns the float32 :class:`Trajectory` (detached).
+    update (:mod:`leangrpo_mcore.diffusion.ode_solvers`), or Euler's before a row's SDE window with
+    ``ode_before_window="euler"`` (MixGRPO-Flash). ``keep_means`` stores every step's SDE mean in the trajectory
+    (GRPO-Guard's RatioNorm). Returns the float32 :class:`Trajectory` (detached).
     """
     loop = RolloutLoop(init_latents, sigmas, conditioning, sde=sde, selected=selected, sde_steps=sde_steps,
                        noise_seeds=noise_seeds, prompt_ids=prompt_ids, generation_ids=generation_ids,
                        grad_steps=grad_steps, on_step=on_step, forward_context=forward_context, split=split,
-                       per_sample_grad=per_sample_grad, ode_solver=ode_solver)
+                       per_sample_grad=per_sample_grad, ode_solver=ode_solver, ode_before_window=ode_before_window,
+                       keep_means=keep_means)
     while not loop.done:
         loop.step(velocity_fn)
     return loop.trajectory()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Optional
 
 import torch
 
@@ -61,6 +62,11 @@ class Conditioning:
     family's velocity function decides how the policy sees it."""
     image_embeds: torch.Tensor | None = None
     """(B, I, D) CLIP tokens of the conditioning image (Wan2.1-I2V), or None."""
+    encoder_attention_mask: torch.Tensor | None = None
+    """(B, L) bool, True for the real tokens of ``encoder_hidden_states`` (Qwen-Image pads its prompts to the
+    longest), or None: every token is real."""
+    negative_encoder_attention_mask: torch.Tensor | None = None
+    """(B, L) bool, the same for ``negative_encoder_hidden_states``, or None."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -86,6 +92,13 @@ class Conditioning:
         if reference is not None and (reference.ndim < 2 or reference.shape[0] != batch):
             raise ValueError(f"conditioning.reference_latents must have batch {batch} first, got shape "
                              f"{tuple(reference.shape)}")
+        for mask_name, tokens_name in (("encoder_attention_mask", "encoder_hidden_states"),
+                                       ("negative_encoder_attention_mask", "negative_encoder_hidden_states")):
+            mask, tokens = getattr(self, mask_name), getattr(self, tokens_name)
+            if mask is not None and (tokens is None or mask.dtype != torch.bool
+                                     or tuple(mask.shape) != tuple(tokens.shape[:2])):
+                raise ValueError(f"conditioning.{mask_name} must be a bool (B, L) mask of {tokens_name}, got "
+                                 f"{mask.dtype} of shape {tuple(mask.shape)}")
 
     def select(self, indices: Indices) -> Conditioning:
         """The conditioning of the samples at ``indices`` (in that order)."""
@@ -93,7 +106,7 @@ class Conditioning:
         return Conditioning(**{f.name: _take(getattr(self, f.name), index) for f in fields(self)})
 
     def to(self, device: torch.device | str) -> Conditioning:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (dtypes kept: the masks stay bool)."""
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return Conditioning(**{k: None if v is None else v.to(device) for k, v in moved.items()})
 
@@ -137,6 +150,10 @@ class Trajectory:
     """The conditioning of the B samples (text, and a conditioning image where the run has one)."""
     final_latents: torch.Tensor
     """(B, *shape) float32: x_T, the decoded result."""
+    means: Optional[torch.Tensor] = None
+    """(B, T, *shape) float32 SDE means μ_old of the rollout's steps (meaningful at a row's SDE steps, the ones an
+    update trains), kept when an update needs them (GRPO-Guard's RatioNorm, docs/algorithms.md §9); None
+    otherwise."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -171,6 +188,8 @@ class Trajectory:
             "generation_ids": (torch.Size((batch,)), torch.long),
             "final_latents": (torch.Size((batch, *self.latent_shape)), torch.float32),
         }
+        if self.means is not None:
+            expected["means"] = (self.latents.shape, torch.float32)
         for name, (shape, dtype) in expected.items():
             value = getattr(self, name)
             if value.shape != shape:
@@ -181,7 +200,7 @@ class Trajectory:
             raise ValueError(f"conditioning has {self.conditioning.num_samples} samples, trajectory has {batch}")
 
     def _tensor_fields(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name != "conditioning"]
+        return [f.name for f in fields(self) if f.name != "conditioning" and getattr(self, f.name) is not None]
 
     def select(self, indices: Indices) -> Trajectory:
         """The trajectories at ``indices`` (in that order), conditioning included."""
@@ -206,6 +225,8 @@ class Trajectory:
         if not trajectories:
             raise ValueError("Trajectory.cat needs at least one trajectory")
         first = trajectories[0]
+        if len({t.means is None for t in trajectories}) > 1:
+            raise ValueError("Trajectory.cat: some trajectories keep their SDE means and some do not")
         for other in trajectories[1:]:
             if other.num_steps != first.num_steps or other.latent_shape != first.latent_shape:
                 raise ValueError(

@@ -1,5 +1,6 @@
 """Calling a policy for the velocity of a batch of latents: FLUX (packed latents, RoPE ids, guidance
-embedding), Wan and SD3 (two-branch classifier-free guidance in one batch).
+embedding), Wan and SD3 (two-branch classifier-free guidance in one batch), Qwen-Image (packed latents, masked
+text, true CFG rescaled to the conditional velocity's norm).
 
 A velocity function is ``fn(latents (B, *shape) float32, sigma (B,) float32, conditioning) -> (B, *shape)
 float32``. It converts sigmas to the timestep the policy's forward expects (the diffusers pipeline
@@ -7,8 +8,8 @@ convention of :mod:`leangrpo_mcore.diffusion.sigmas`), casts the inputs to the p
 returns float32, so that the SDE math downstream always runs in float32. ``reference()`` is a context in
 which the policy runs with its LoRA adapters disabled: the KL reference of FlowGRPO.
 
-Sampler latents of FLUX are *packed* (B, (H/2)·(W/2), 4·C), exactly as FluxPipeline keeps them; use
-:func:`pack_flux_latents` / :func:`unpack_flux_latents` at the VAE boundary.
+Sampler latents of FLUX and Qwen-Image are *packed* (B, (H/2)·(W/2), 4·C), exactly as FluxPipeline and
+QwenImagePipeline keep them; use :func:`pack_flux_latents` / :func:`unpack_flux_latents` at the VAE boundary.
 
 Image conditioning (``conditioning.reference_latents``) is each family's business here, the second half of its
 reference hook (the first, :mod:`leangrpo_mcore.data.reference`, encodes the image): FLUX.1-Kontext appends the
@@ -298,6 +299,65 @@ class SD3Velocity(WanVelocity):
                     timestep=torch.cat([timestep, timestep]))
 
 
+class QwenImageVelocity(_PolicyVelocity):
+    """Velocity of a Qwen-Image policy on packed latents of a (latent_height, latent_width) VAE grid.
+
+    The text tokens come with their mask (``conditioning.encoder_attention_mask``). With ``cfg_scale > 1`` (the
+    pipeline's ``true_cfg_scale``) the negative and the conditional branch run as one batch [uncond; cond] and
+    combine in float32 as QwenImagePipeline does: v = v_u + s·(v_c − v_u), rescaled per token to the norm of v_c
+    (``v · ‖v_c‖ / ‖v‖`` over the packed channels). Without it the policy runs guidance-less (the model has no
+    guidance embedding).
+    """
+
+    family = "qwen_image"
+
+    def __init__(self, policy: torch.nn.Module, *, latent_height: int, latent_width: int,
+                 sigma_kind: str = "qwen_image", cfg_scale: float = 1.0, compute_dtype: torch.dtype | None = None):
+        super().__init__(policy, sigma_kind=sigma_kind, compute_dtype=compute_dtype)
+        if cfg_scale < 1.0:
+            raise ValueError(f"cfg_scale must be >= 1 (1 disables CFG), got {cfg_scale}")
+        if latent_height % 2 or latent_width % 2:
+            raise ValueError(f"Qwen-Image packs 2x2 latents: the latent grid {latent_height}x{latent_width} must be "
+                             "even")
+        self.grid = (1, latent_height // 2, latent_width // 2)
+        self.cfg_scale = float(cfg_scale)
+
+    def __call__(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> torch.Tensor:
+        """(B, S, 4·C) float32 velocity of packed ``latents`` (B, S, 4·C)."""
+        return self.velocity_from_output(self.policy(**self.policy_inputs(latents, sigma, conditioning)))
+
+    def policy_inputs(self, latents: torch.Tensor, sigma: torch.Tensor, conditioning: Conditioning) -> dict:
+        """The keyword arguments of the policy forward: the batch, or [uncond; cond] under CFG."""
+        sigma = _check_sigma(latents, sigma)
+        dtype, timestep, batch = self.compute_dtype, self.timestep(sigma), latents.to(self.compute_dtype)
+        tokens, mask = conditioning.encoder_hidden_states.to(dtype), conditioning.encoder_attention_mask
+        if self.cfg_scale == 1.0:
+            return dict(hidden_states=batch, encoder_hidden_states=tokens, encoder_hidden_states_mask=mask,
+                        timestep=timestep, img_shapes=self.grid)
+        negative = conditioning.negative_encoder_hidden_states
+        negative_mask = conditioning.negative_encoder_attention_mask
+        if negative is None:
+            raise ValueError(f"cfg_scale {self.cfg_scale} needs conditioning.negative_encoder_hidden_states")
+        if negative.shape[1] != tokens.shape[1]:
+            raise ValueError(f"the negative prompt has {negative.shape[1]} text tokens, the prompts "
+                             f"{tokens.shape[1]}: both branches of one batch need the same length")
+        both = None
+        if mask is not None or negative_mask is not None:
+            ones = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
+            both = torch.cat([ones if negative_mask is None else negative_mask, ones if mask is None else mask])
+        return dict(hidden_states=torch.cat([batch, batch]),
+                    encoder_hidden_states=torch.cat([negative.to(dtype), tokens]), encoder_hidden_states_mask=both,
+                    timestep=torch.cat([timestep, timestep]), img_shapes=self.grid)
+
+    def velocity_from_output(self, out: torch.Tensor) -> torch.Tensor:
+        """The float32 velocity of the policy's output (true CFG of both branches, norm-rescaled)."""
+        if self.cfg_scale == 1.0:
+            return out.to(torch.float32)
+        uncond, cond = out.to(torch.float32).chunk(2)
+        combined = uncond + self.cfg_scale * (cond - uncond)
+        return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+
+
 class SplitVelocity:
     """A velocity function on this rank's pieces of the latents (context parallelism, ``parallel.cp``).
 
@@ -336,9 +396,10 @@ def build_velocity_fn(
     latent_width: int = 0,
     cfg_scale: float = 1.0,
     first_frame: bool = False,
-) -> FluxVelocity | WanVelocity:
-    """The velocity function of a ``flux``, ``sd3`` or ``wan`` policy (latent grid sizes are FLUX's VAE latent
-    grid; ``first_frame``: Wan's first-frame image-to-video)."""
+) -> FluxVelocity | WanVelocity | QwenImageVelocity:
+    """The velocity function of a ``flux``, ``sd3``, ``wan`` or ``qwen_image`` policy (latent grid sizes are the
+    VAE latent grid of the packed families, FLUX and Qwen-Image; ``first_frame``: Wan's first-frame
+    image-to-video)."""
     if family == "flux":
         if cfg_scale != 1.0:
             raise ValueError("FLUX uses the guidance embedding; set sampler.cfg_scale to 1")
@@ -347,4 +408,7 @@ def build_velocity_fn(
         return WanVelocity(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale, first_frame=first_frame)
     if family == "sd3":
         return SD3Velocity(policy, sigma_kind=sigma_kind, cfg_scale=cfg_scale)
-    raise ValueError(f"unknown policy family {family!r}; valid: flux, sd3, wan")
+    if family == "qwen_image":
+        return QwenImageVelocity(policy, latent_height=latent_height, latent_width=latent_width,
+                                 sigma_kind=sigma_kind, cfg_scale=cfg_scale)
+    raise ValueError(f"unknown policy family {family!r}; valid: flux, sd3, wan, qwen_image")

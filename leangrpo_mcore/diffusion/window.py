@@ -12,24 +12,30 @@ in ``[low, high)`` (``sampler.sde_window_range``):
 A shared window (fixed, progressive) is a pure function of the optimizer steps taken before the rollout, which
 the step number of the checkpointed trainer state gives: a resumed run continues at the same position.
 
-Compression (``sampler.ode_steps_after_window = K``): the steps after the window, from σ_e (e = the window's end)
-to σ_T = 0, are replaced by K ODE steps over grid points of the schedule itself, σ at indices
-``e + round(j·(T − e)/K)`` for j = 0 … K (MixGRPO-Flash re-spaces the remainder in its time grid; picking
-points of the schedule keeps this independent of the schedule's formula).
+Compression (``sampler.ode_steps_after_window``): the steps after the window, from σ_e (e = the window's end) to
+σ_T = 0, are replaced by fewer ODE steps, as a count or as MixGRPO-Flash's ratio:
+
+- a count K (a whole number): K steps over grid points of the schedule itself, σ at indices
+  ``e + round(j·(T − e)/K)`` for j = 0 … K (a subset of the full rollout's sigmas);
+- a ratio r in (0, 1) (MixGRPO-Flash's ``dpm_post_compress_ratio``): ``P = int(max((T − e + 1)·r, 1))`` points
+  from σ_e to 0, the count MixGRPO-Flash's sampling code computes from its last SDE step e − 1, so K = P − 1 steps
+  (at least one, so that the rollout still ends at σ = 0), placed as it places them: equal steps of the schedule's
+  unshifted time from t_e to 0, then shifted (:meth:`~leangrpo_mcore.diffusion.sigmas.SigmaSpec.respaced_tail`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from leangrpo_mcore.config.window_rules import WINDOW_SCHEDULES, window_error
+from leangrpo_mcore.config.window_rules import WINDOW_SCHEDULES, is_ratio, ratio_tail_steps, rollout_steps, window_error
+from leangrpo_mcore.diffusion.sigmas import SigmaSpec
 from leangrpo_mcore.errors import UserError
 
 __all__ = ["SDEWindow", "WINDOW_SCHEDULES", "window_error", "optimizer_steps_before", "compressed_indices",
-           "compress_after_window"]
+           "compress_after_window", "ratio_tail_steps", "rollout_schedule", "rollout_steps"]
 
 
 @dataclass(frozen=True)
@@ -48,8 +54,9 @@ class SDEWindow:
     """Progressive: steps the start moves at each shift."""
     shift_every: int = 1
     """Progressive: optimizer steps between two shifts."""
-    ode_steps_after: int = 0
-    """MixGRPO-Flash: ODE steps for the remainder after the window (0: no compression)."""
+    ode_steps_after: Union[int, float] = 0
+    """MixGRPO-Flash: ODE steps for the remainder after the window, a count or a ratio in (0, 1) (0: no
+    compression)."""
 
     @property
     def shared(self) -> bool:
@@ -70,11 +77,11 @@ class SDEWindow:
         positions = self.positions()
         return positions[(max(optimizer_steps, 0) // self.shift_every) % len(positions)]
 
-    def check(self, num_steps: int, ode_solver: str = "euler") -> None:
+    def check(self, num_steps: int, ode_solver: str = "euler", ode_before: str = "same") -> None:
         """One-line UserError naming the key of any setting that cannot work with ``num_steps`` steps."""
         error = window_error(size=self.size, low=self.low, high=self.high, schedule=self.schedule,
                              stride=self.stride, shift_every=self.shift_every, ode_steps_after=self.ode_steps_after,
-                             ode_solver=ode_solver, num_steps=num_steps)
+                             ode_solver=ode_solver, num_steps=num_steps, ode_solver_before=ode_before)
         if error is not None:
             raise UserError(error)
 
@@ -98,3 +105,18 @@ def compressed_indices(num_steps: int, window_end: int, ode_steps: int) -> list[
 def compress_after_window(sigmas: torch.Tensor, window_end: int, ode_steps: int) -> torch.Tensor:
     """The (T'+1,) float32 sigmas with the steps after ``window_end`` compressed to ``ode_steps`` ODE steps."""
     return sigmas[compressed_indices(sigmas.numel() - 1, window_end, ode_steps)]
+
+
+def rollout_schedule(sigmas: torch.Tensor, window_end: int, after: Union[int, float],
+                     spec: Optional[SigmaSpec] = None) -> torch.Tensor:
+    """The (T'+1,) float32 sigmas of a rollout whose window ends at ``window_end``: ``sigmas`` up to σ_e, then the
+    compressed remainder for ``after`` (a count, or a ratio, which needs the schedule's ``spec``)."""
+    num_steps = sigmas.numel() - 1
+    if not is_ratio(after):
+        return compress_after_window(sigmas, window_end, int(after))
+    steps = ratio_tail_steps(num_steps, window_end, float(after))
+    if steps is None:
+        return sigmas
+    if spec is None:
+        raise ValueError("a ratio of steps after the window re-spaces the schedule: the plan needs its SigmaSpec")
+    return torch.cat([sigmas[: window_end + 1], spec.respaced_tail(num_steps, window_end, steps)])

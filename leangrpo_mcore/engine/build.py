@@ -21,11 +21,11 @@ from leangrpo_mcore.data.conditioning import TextDims, TextEncoder, build_text_e
 from leangrpo_mcore.data.images import ConditioningImages, ImageFiles, ImageReader
 from leangrpo_mcore.data.prompts import PromptDataset, PromptSampler
 from leangrpo_mcore.data.reference import ReferenceRun, check_image_conditioning
-from leangrpo_mcore.data.vae import LatentDecoder, build_vae, latent_shape
+from leangrpo_mcore.data.vae import PACKED_FAMILIES, LatentDecoder, build_vae, latent_shape
 from leangrpo_mcore.diffusion.selection import ExpertSteps
-from leangrpo_mcore.diffusion.sigmas import get_sigmas
+from leangrpo_mcore.diffusion.sigmas import SigmaSpec
 from leangrpo_mcore.diffusion.velocity import build_velocity_fn
-from leangrpo_mcore.engine.checkpoint import TPLayout, capture_tp_layout
+from leangrpo_mcore.models.common.tp import TPLayout, capture_tp_layout
 from leangrpo_mcore.engine.auto_layout import (apply_choice, auto_keys, chosen_words, describe_inputs,
                                                planning_inputs, unplanned)
 from leangrpo_mcore.engine.launch import DistContext
@@ -204,7 +204,8 @@ def build_policy_parts(config: Config, pctx: ParallelContext, precision: RunPrec
                 fill_values=fill_values)
     params = trainable_parameters(policy)
     optimizer = build_optimizer(params, config.optim)
-    scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps)
+    # the scheduler steps with the optimizer: grpo.updates_per_rollout times per training step
+    scheduler = build_lr_scheduler(optimizer, config.optim, config.train.max_steps * config.grpo.updates_per_rollout)
     ema = None
     if config.train.ema_decay > 0:
         ema = {name: p.detach().clone().float() for name, p in policy.named_parameters() if p.requires_grad}
@@ -354,12 +355,12 @@ def build_text_and_vae(config: Config, family: ModelFamily, diffusers_config: di
 
 
 def latent_channels(family: ModelFamily, diffusers_config: dict) -> int:
-    """VAE latent channels of a policy (FLUX packs 2x2 patches: in_channels = 4 C; a Wan image-to-video checkpoint
-    reads its conditioning channels beside the latents: its out_channels)."""
+    """VAE latent channels of a policy (FLUX and Qwen-Image pack 2x2 patches: in_channels = 4 C; a Wan
+    image-to-video checkpoint reads its conditioning channels beside the latents: its out_channels)."""
     channels = int(diffusers_config["in_channels"])
     if family.name == "wan":
         return int(diffusers_config.get("out_channels") or channels)
-    return channels // 4 if family.name == "flux" else channels
+    return channels // 4 if family.name in PACKED_FAMILIES else channels
 
 
 def policy_latent_shape(config: Config, policy: torch.nn.Module, family: ModelFamily) -> tuple[int, ...]:
@@ -372,12 +373,17 @@ def policy_latent_shape(config: Config, policy: torch.nn.Module, family: ModelFa
     return shape
 
 
-def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The (num_steps + 1,) sigmas of the sampler's schedule (FLUX's shift from the token count of ``shape``)."""
+def sigma_spec(config: Config, shape: tuple[int, ...]) -> SigmaSpec:
+    """The formula of the sampler's schedule (FLUX's and Qwen-Image's shift from the token count of ``shape``)."""
     s = config.sampler
-    if s.sigma_schedule == "flux":
-        return get_sigmas("flux", num_steps, image_seq_len=shape[0])
-    return get_sigmas(s.sigma_schedule, num_steps, shift=sampler_shift(config))
+    if s.sigma_schedule in ("flux", "qwen_image"):
+        return SigmaSpec(s.sigma_schedule, image_seq_len=shape[0])
+    return SigmaSpec(s.sigma_schedule, shift=sampler_shift(config))
+
+
+def sigma_schedule(config: Config, num_steps: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The (num_steps + 1,) sigmas of the sampler's schedule (FLUX's and Qwen-Image's shift from the token count of ``shape``)."""
+    return sigma_spec(config, shape).sigmas(num_steps)
 
 
 def build_velocity(config: Config, parts: PolicyParts, pctx: ParallelContext, *, cfg_scale: float):
@@ -399,9 +405,10 @@ def build_engine(config: Config, schedule: str, parts: PolicyParts, pctx: Parall
     """Sigma schedule, velocity function and the step engine of the configured schedule."""
     s = config.sampler
     shape = policy_latent_shape(config, parts.policy, parts.family)
-    sigmas = sigma_schedule(config, s.num_steps, shape)
+    spec = sigma_spec(config, shape)
     velocity = build_velocity(config, parts, pctx, cfg_scale=s.cfg_scale)
-    plan = StepPlan.from_config(config, latent_shape=shape, sigmas=sigmas, schedule=schedule)
+    plan = StepPlan.from_config(config, latent_shape=shape, sigmas=spec.sigmas(s.num_steps), schedule=schedule,
+                                sigma_spec=spec)
     ratio = getattr(parts.policy.config, "boundary_ratio", None)
     if ratio is not None:
         plan = dataclasses.replace(plan, experts=ExpertSteps(boundary_timestep(ratio), s.sigma_schedule,

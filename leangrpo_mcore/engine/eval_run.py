@@ -13,9 +13,9 @@ from typing import Optional
 
 from leangrpo_mcore.config import Config
 from leangrpo_mcore.engine import build, checkpoint
+from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
 from leangrpo_mcore.engine.evaluate import EvalResult, Evaluator, eval_rewards
-from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown
-from leangrpo_mcore.engine.trainer import user_errors
+from leangrpo_mcore.engine.launch import get_logger, init_distributed, shutdown, user_errors
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.mesh import Layout, destroy_parallel_context
 from leangrpo_mcore.parallel.precision import fp8_precision
@@ -70,13 +70,14 @@ def evaluate_model(config: Config, checkpoint_path: Optional[str] = None) -> Opt
             source = build.resolve_model_source(config)
             step = 0
             if checkpoint_path is not None:
+                verify_before_reading(checkpoint_path, "--checkpoint", enabled=config.checkpoint.verify, log=logger)
                 step = _check_checkpoint(checkpoint_path, source.family.name, source.hyper, source.lora)
             text, decoder = build.build_text_and_vae(config, source.family, source.hyper, dist_ctx.device)
             parts = build.build_policy_parts(config, pctx, precision, source=source)
             if checkpoint_path is not None:
-                checkpoint.load_checkpoint(checkpoint_path, model=parts.policy, optimizer=parts.optimizer,
-                                           lr_scheduler=parts.lr_scheduler, ema=parts.ema, layout=parts.tp_layout,
-                                           same_layout=False, warn=logger.warning)
+                # the weights and their EMA only: an evaluation never uses the optimizer state
+                checkpoint.load_weights(checkpoint_path, model=parts.policy, ema=parts.ema, layout=parts.tp_layout,
+                                        warn=logger.warning)
                 logger.info("evaluating %s (step %d)", checkpoint_path, step)
             rewards = build.scoring_reward(lambda: eval_rewards(config, None), pctx)
             forward = fp8_precision(parts.policy) if config.model.fp8 else None

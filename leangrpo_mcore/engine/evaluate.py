@@ -29,15 +29,15 @@ from leangrpo_mcore.config.schema import Config, RewardConfig
 from leangrpo_mcore.data.conditioning import TextEncoder
 from leangrpo_mcore.data.prompts import PromptDataset, eval_source
 from leangrpo_mcore.data.reference import encode_references
-from leangrpo_mcore.data.vae import DecodedImages, LatentDecoder
+from leangrpo_mcore.data.vae import PACKED_FAMILIES, DecodedImages, LatentDecoder
 from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, rollout_together
 from leangrpo_mcore.diffusion.seeding import eval_inputs
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import finish_latents
 from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.launch import raise_if_any
-from leangrpo_mcore.engine.samples import beside_sources, save_grid, to_uint8, video_to_uint8
-from leangrpo_mcore.engine.video import write_video_grid
+from leangrpo_mcore.engine.output.samples import beside_sources, save_grid, to_uint8, video_to_uint8
+from leangrpo_mcore.engine.output.video import write_video_grid
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.parallel.fsdp import reshard_policy, set_gathered
 from leangrpo_mcore.parallel.mesh import ParallelContext
@@ -193,12 +193,7 @@ class Evaluator:
         if cond.guidance is not None:
             cond = dataclasses.replace(cond, guidance=torch.full_like(cond.guidance, float(self.guidance)))
         if self.cfg_scale > 1.0 and cond.negative_encoder_hidden_states is None:
-            device = cond.encoder_hidden_states.device
-            negative, pooled = self.text_encoder.negative_embedding(len(prompts), self.config.sampler.negative_prompt)
-            # SD3's guidance also reads the negative prompt's pooled vector; Wan's only its tokens.
-            pooled = pooled.to(device) if pooled is not None and self.parts.family.name == "sd3" else None
-            cond = dataclasses.replace(cond, negative_encoder_hidden_states=negative.to(device),
-                                       negative_pooled_projections=pooled)
+            cond = self.text_encoder.add_negative(cond, self.config.sampler.negative_prompt)
         return cond
 
     def _read_sources(self, items: list[Optional[tuple[int, int]]]) -> None:
@@ -250,7 +245,7 @@ class Evaluator:
     def _score(self, latents: torch.Tensor, pairs: list[tuple[int, int]], keep: int) -> list[tuple]:
         """(i, j, {reward: value}, grid item or None) of each sample (the first ``keep`` keep their images)."""
         s = self.config.sampler
-        size = {"height": s.height, "width": s.width} if self.parts.family.name == "flux" else {}
+        size = {"height": s.height, "width": s.width} if self.parts.family.name in PACKED_FAMILIES else {}
         decoded = self.decoder.decode(latents, **size)
         prompts, metadata = self.dataset.get([i for i, _ in pairs]), self.dataset.metadata([i for i, _ in pairs])
         references = self._references(pairs)

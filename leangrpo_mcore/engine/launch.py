@@ -6,23 +6,27 @@ variables (``leangrpo-train`` run directly) it starts a one-rank group on an in-
 code always sees an initialised default group. A group that already exists (a test harness) is adopted and left
 alone at shutdown.
 
-Only rank 0 logs at INFO; other ranks log warnings and errors only.
+Only rank 0 logs at INFO; other ranks log warnings and errors only. Bad input is one
+:class:`~leangrpo_mcore.errors.UserError` line, the same on every rank (:func:`user_errors`, :func:`raise_if_any`,
+:func:`first_error`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.rl.rewards import RewardError
 
 LOGGER_NAME = "leangrpo"
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -155,6 +159,18 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the project's bad-input errors (ValueError with a one-line message, RewardError) into UserError."""
+    try:
+        yield
+    except UserError:
+        raise
+    except (ValueError, RewardError) as err:
+        lines = str(err).strip().splitlines()
+        raise UserError(lines[0] if lines else type(err).__name__) from err
 
 
 def raise_if_any(error: Optional[str]) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from leangrpo_mcore.config.schema import Config, LoRAConfig as LoRASection
+from leangrpo_mcore.engine.checkpoint.verify import verify_before_reading
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models import LoRAConfig, resolve_model_config
 from leangrpo_mcore.models.common import checkpoint as ckpt
@@ -29,7 +30,8 @@ _PRESET_SOURCES = {"flux-dev": "FLUX.1-dev", "flux-schnell": "FLUX.1-schnell", "
                    "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                    "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-ti2v-5b": "Wan2.2-TI2V-5B",
                    "wan2.2-t2v-a14b": "Wan2.2-T2V-A14B",
-                   "sd3.5-medium": "stable-diffusion-3.5-medium", "sd3.5-large": "stable-diffusion-3.5-large"}
+                   "sd3.5-medium": "stable-diffusion-3.5-medium", "sd3.5-large": "stable-diffusion-3.5-large",
+                   "qwen-image": "Qwen-Image"}
 """The released model of each full-size preset, named in the error of :func:`check_random_init`."""
 
 DEFAULT_SHIFT = 3.0
@@ -121,15 +123,20 @@ def lora_section(section: LoRASection, family: ModelFamily) -> LoRAConfig:
     return LoRAConfig(rank=section.rank, alpha=section.alpha, targets=targets)
 
 
-def resolve_model_source(config: Config, *, check: bool = True) -> ModelSource:
-    """The :class:`ModelSource` of ``config`` (``check``: refuse an unintended random init of a full-size preset; the
-    planner, which never needs weights, skips it). One-line UserError for a bad path or a family mismatch."""
+def resolve_model_source(config: Config, *, check: bool = True, log: Any = None) -> ModelSource:
+    """The :class:`ModelSource` of ``config``. ``check`` (a run that reads the weights; the planner, which never
+    does, skips it): refuse an unintended random init of a full-size preset, and verify a training checkpoint
+    named by ``model.path`` against its ``COMPLETE`` marker (collective: every rank calls this, each reads its
+    share; ``checkpoint.verify: false`` skips it, logged through ``log``). One-line UserError for a bad path, a
+    damaged checkpoint or a family mismatch."""
     m = config.model
     if check:
         check_random_init(config)
     if m.path is not None:
         if not os.path.isdir(m.path):
             raise UserError(f"model.path: no such directory: {m.path}")
+        if check:
+            verify_before_reading(m.path, "model.path", enabled=config.checkpoint.verify, log=log)
         path = policy_dir(m.path)
         files = read_policy_files(path)
         if files.family.name != m.family:

@@ -13,8 +13,9 @@ on a device of unknown peak (a CPU) without that setting there is no ``mfu``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -60,16 +61,23 @@ class Throughput:
     """Model FLOPs of one step over all ranks (None: not countable for this model)."""
     peak_tflops: Optional[float] = None
     """Peak TFLOP/s of one device (None: unknown, no ``mfu``)."""
+    flops_for_text: Optional[Callable[[int], float]] = None
+    """FLOPs of one step whose prompts are ``n`` text tokens long, for a family that trims its text padding per
+    step (Qwen-Image); None: ``flops_per_step`` for every step."""
 
-    def scalars(self, seconds: float) -> dict[str, float]:
+    def scalars(self, seconds: float, text_tokens: Optional[int] = None) -> dict[str, float]:
         """``samples_per_s``, ``samples_per_s_per_device``, ``tflops_per_device`` and ``mfu`` of a step that took
-        ``seconds`` (the last two where the FLOPs, and for ``mfu`` the peak, are known)."""
+        ``seconds`` (the last two where the FLOPs, and for ``mfu`` the peak, are known); ``text_tokens``: the
+        length the step's prompts had."""
         if seconds <= 0:
             return {}
         rate = self.samples_per_step / seconds
         out = {"samples_per_s": rate, "samples_per_s_per_device": rate / self.devices}
-        if self.flops_per_step is not None:
-            tflops = self.flops_per_step / self.devices / seconds / 1e12
+        flops = self.flops_per_step
+        if flops is not None and text_tokens is not None and self.flops_for_text is not None:
+            flops = self.flops_for_text(int(text_tokens))
+        if flops is not None:
+            tflops = flops / self.devices / seconds / 1e12
             out["tflops_per_device"] = tflops
             if self.peak_tflops is not None:
                 out["mfu"] = tflops / self.peak_tflops
@@ -88,10 +96,17 @@ def step_throughput(config: Any, schedule: str, world_size: int, device: torch.d
     # The planner's one entry for the runtime: imported here so that importing the engine loads no planner module.
     from leangrpo_mcore.planner import step_flops_for_config
 
+    from leangrpo_mcore.data.text_encoder import MASKED_FAMILIES
+
     samples = config.grpo.prompts_per_step * config.grpo.group_size
     try:
         flops: Optional[float] = step_flops_for_config(config, schedule).total
     except UserError:  # a model the planner cannot describe: samples per second only
         flops = None
+    per_text = None
+    if flops is not None and config.model.family in MASKED_FAMILIES:
+        # its prompts are trimmed to the step's longest, at most what flops_per_step counts
+        per_text = functools.lru_cache(maxsize=None)(
+            lambda n: step_flops_for_config(config, schedule, text_tokens=n).total)
     return Throughput(samples_per_step=samples, devices=world_size, flops_per_step=flops,
-                      peak_tflops=device_peak_tflops(device, config.logging.peak_tflops))
+                      peak_tflops=device_peak_tflops(device, config.logging.peak_tflops), flops_for_text=per_text)

@@ -30,8 +30,13 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer import TransformerConfig
+
+from leangrpo_mcore.mcore_import import import_megatron_core
+
+import_megatron_core()  # megatron-core's first import, without torch's compiler and wandb (see mcore_import)
+
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
 
 from leangrpo_mcore.models.common.context_parallel import cp_world_size
 from leangrpo_mcore.models.common.fp8 import fp8_alignment

@@ -23,8 +23,8 @@ from leangrpo_mcore.models.common.pipeline import PipelineStage
 from leangrpo_mcore.models.common.tp import capture_tp_layout, full_shape
 from leangrpo_mcore.models.common.lora import LoRAConfig, apply_lora, lora_is_merged
 
-FAMILY_MODULES = {"flux": "leangrpo_mcore.models.flux", "sd3": "leangrpo_mcore.models.sd3",
-                  "wan": "leangrpo_mcore.models.wan"}
+FAMILY_MODULES = {"flux": "leangrpo_mcore.models.flux", "qwen_image": "leangrpo_mcore.models.qwen_image",
+                  "sd3": "leangrpo_mcore.models.sd3", "wan": "leangrpo_mcore.models.wan"}
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,14 @@ def family_for_config(config: Any) -> ModelFamily:
 
 
 def _preset(name: str, family_name: str | None = None) -> tuple[ModelFamily, dict]:
-    """A preset by name; with ``family_name`` only that family's (``tiny`` also finds ``<family>-tiny``)."""
+    """A preset by name; with ``family_name`` only that family's (``tiny`` also finds ``<family>-tiny``, the family
+    name spelled with hyphens: ``qwen-image-tiny``)."""
     if family_name is None:  # an exact preset name, whichever family owns it
         hits = [(family, family.presets[name]) for family in available_families() if name in family.presets]
     else:
         family = get_family(family_name)
-        hits = [(family, family.presets[key]) for key in (name, f"{family.name}-{name}") if key in family.presets]
+        keys = (name, f"{family.name}-{name}", f"{family.name.replace('_', '-')}-{name}")
+        hits = [(family, family.presets[key]) for key in keys if key in family.presets]
     if not hits:
         known = sorted(p for family in available_families() for p in family.presets)
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(known)}")

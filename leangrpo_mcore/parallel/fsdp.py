@@ -31,6 +31,17 @@ def _tp_attributes(model: torch.nn.Module) -> dict[str, dict]:
     return saved
 
 
+def _owned_output(module: torch.nn.Module, args, output):
+    """A unit's output as a tensor of its own: a copy when it is a view (a 3-D linear's result is one).
+
+    FSDP2 hooks its pre-backward gather on the output of each unit (a forward hook, which this one precedes);
+    an in-place op on a view would drop that hook, and torch warns about every view it is handed. The copy is
+    exact and costs one output-sized tensor, and a policy's output is the small velocity."""
+    if isinstance(output, torch.Tensor) and output._base is not None:
+        return output.clone()
+    return None
+
+
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Every FSDP2-managed module inside ``model`` (the root included), in ``modules()`` order."""
     from torch.distributed.fsdp import FSDPModule
@@ -83,6 +94,7 @@ def apply_fsdp(
     for module in fsdp_modules(model):
         module.set_force_sum_reduction_for_comms(True)
         module.set_gradient_divide_factor(1.0)
+        module.register_forward_hook(_owned_output, prepend=True)
     for name, param in model.named_parameters():
         for attr, value in saved.get(name, {}).items():
             setattr(param, attr, value)

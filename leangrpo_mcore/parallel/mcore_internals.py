@@ -4,10 +4,12 @@ megatron-core's documented surface (``get_forward_backward_func``, the ``ModelPa
 ``config.no_sync_func`` / ``grad_sync_func`` / ``finalize_model_grads_func`` hooks, ``parallel_state``) is
 used as documented; what follows is what the project assumes beyond it: how the schedules read their config,
 process groups and model, the module-global ``torch`` the CPU bridge replaces, the point-to-point module's
-call shapes, and the parameter attributes of its tensor-parallel layers. Beside them the two torch internals
-of the gradient path: the autograd engine's final callbacks (gradient routing) and FSDP2's per-parameter state
-(the local gradient slot). ``setup.py`` pins ``megatron-core<0.17``; an upgrade that changes any of these fails
-``tests/unit/test_mcore_internals.py``, which runs every :data:`INTERNALS` check, instead of a training run.
+call shapes, and the parameter attributes of its tensor-parallel layers. Beside them the torch internals: the
+autograd engine's final callbacks (gradient routing), FSDP2's per-parameter state (the local gradient slot), a
+process group's timeout and DTensor's shard offsets (checkpoint boxes). Every check holds on each megatron-core
+release ``setup.py`` admits (0.16.1 to 0.19); what differs between those releases is answered by
+:mod:`leangrpo_mcore.compat`. An upgrade that changes any of these fails ``tests/unit/test_mcore_internals.py``,
+which runs every :data:`INTERNALS` check, instead of a training run.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import inspect
 import re
 from dataclasses import dataclass
 from typing import Callable
+
+from leangrpo_mcore.compat import multimodule_group_members
 
 
 @dataclass(frozen=True)
@@ -106,9 +110,16 @@ def _check_timer_names() -> None:
 
 def _check_process_groups() -> None:
     # _process_groups fills only these ProcessGroupCollection attributes, and its cp is a _GroupSize: the
-    # schedules may ask the CP group for its size() and nothing else
+    # schedules may ask the CP group for its size() and nothing else. Assignments (the schedules' own default
+    # collection) are not reads; since 0.17 the schedules also read the multi-module collection's own members,
+    # on the branch that a MultiModuleProcessGroupCollection takes and ours never does.
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
     source = _source(_schedules())
-    read = set(re.findall(r"pg_collection\.(\w+)", source))
+    read = set(re.findall(r"pg_collection\.(\w+)\b(?!\s*=[^=])", source))
+    multimodule = multimodule_group_members()
+    assert not multimodule & set(dir(ProcessGroupCollection)), "the multi-module members are ProcessGroupCollection's"
+    read -= multimodule
     assert read <= {"tp", "cp", "embd", "pos_embd", "pp", "dp_cp"}, f"schedules read pg_collection.{sorted(read)}"
     used = set(re.findall(r"pg_collection\.cp\.(\w+)", source)) | set(re.findall(r"\bcp_group\.(\w+)", source))
     assert used <= {"size"}, f"the schedules call {sorted(used)} on the CP group (_GroupSize answers size())"
@@ -172,6 +183,20 @@ def _check_fusions() -> None:
     assert list(inspect.signature(get_fp8_context).parameters)[0] == "config"
 
 
+def _check_lean_import() -> None:
+    # mcore_import: megatron.core.jit binds jit_fuser = torch.compile when it is imported, the fusions decorate
+    # with the jit_fuser they import, and the dynamic inference context imports wandb only if it can
+    from megatron.core import jit
+    from megatron.core.fusions import fused_bias_geglu, fused_bias_gelu
+    from megatron.core.inference.contexts import dynamic_context
+
+    assert re.search(r"^\s*jit_fuser = torch\.compile$", _source(jit), re.M), "jit_fuser is no longer torch.compile"
+    for module in (fused_bias_gelu, fused_bias_geglu):
+        assert "from megatron.core.jit import jit_fuser" in _source(module), f"{module.__name__} binds another fuser"
+    assert re.search(r"try:\s+import wandb\b[^\n]*\n(.*\n){0,3}?\s*except ImportError", _source(dynamic_context)), \
+        "dynamic_context no longer imports wandb optionally"
+
+
 def _check_queue_callback() -> None:
     # GradientRouter moves a routed slot out in a final callback of the backward pass that ran it
     import torch
@@ -207,6 +232,28 @@ def _check_group_timeout() -> None:
     assert "pg_options._timeout" in _source(device_mesh), "init_device_mesh no longer takes the options' timeout"
 
 
+def _check_dtensor_offsets() -> None:
+    # block_tensor reads an FSDP2 DTensor's global offsets as compute_local_shape_and_global_offset(shape, mesh,
+    # placements) -> (local shape, global offsets)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    params = list(inspect.signature(compute_local_shape_and_global_offset).parameters)
+    assert params[:3] == ["global_shape", "mesh", "placements"], f"compute_local_shape_and_global_offset{params}"
+
+
+def _check_fake_world() -> None:
+    # the step simulator runs one rank of a world under a fake process group (FakeStore, backend "fake") and
+    # FakeTensorMode(allow_non_fake_inputs=...); megatron builds its groups there without gloo side groups
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert callable(FakeStore) and "fake" in dist.Backend.backend_list, "torch lost its fake process group"
+    _has_parameters(FakeTensorMode.__init__, ("allow_non_fake_inputs",))
+    _has_parameters(parallel_state.initialize_model_parallel, ("create_gloo_process_groups",))
+
+
 INTERNALS: tuple[Internal, ...] = (
     Internal("schedules.get_forward_backward_func and its schedules' keyword arguments", "parallel/pipeline.py",
              _check_scheduler_calls),
@@ -222,12 +269,18 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("P2PCommunicator's constructor and transfers", "parallel/stages.py, parallel/pipeline.py", _check_p2p),
     Internal("what the schedules read from a model (_Stage)", "parallel/pipeline.py", _check_model_reads),
     Internal("tensor-parallel parameter attributes", "models/common/tp.py, parallel/fsdp.py, engine/optim.py, "
-             "engine/checkpoint.py", _check_tp_attributes),
+             "engine/checkpoint/", _check_tp_attributes),
     Internal("fused_bias_gelu.bias_gelu_impl and fp8_utils.get_fp8_context",
              "models/backends.py, models/common/fp8.py", _check_fusions),
+    Internal("jit_fuser bound to torch.compile at import, the optional wandb import of the dynamic inference "
+             "context", "mcore_import.py", _check_lean_import),
     Internal("torch: the autograd engine's queue_callback", "parallel/routing.py", _check_queue_callback),
     Internal("torch: FSDP2's per-parameter gradient state", "parallel/grad_sync.py", _check_fsdp_param_state),
     Internal("torch: a process group's timeout in its backend's options", "parallel/mesh.py",
              _check_group_timeout),
+    Internal("torch: DTensor's compute_local_shape_and_global_offset", "models/common/dcp_blocks.py",
+             _check_dtensor_offsets),
+    Internal("torch: the fake process group and FakeTensorMode; megatron's groups without gloo",
+             "planner/simulate.py, planner/sim_mode.py", _check_fake_world),
 )
 """Every internal the project leans on (module doc)."""

@@ -48,9 +48,14 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.enums import ModelType
-from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.process_groups_config import ProcessGroupCollection
+
+from leangrpo_mcore.mcore_import import import_megatron_core
+
+import_megatron_core()  # megatron-core's first import, without torch's compiler and wandb (see mcore_import)
+
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 
 from leangrpo_mcore.parallel.grad_sync import GradSync, PhaseFn
 

@@ -50,7 +50,7 @@ def activation_features(arch: ArchSpec, tokens: dict[str, int], checkpointing: b
                 feats[f"{key}.T.r"] = block.count * t * lora_rank
         if arch.family == "wan":
             feats[f"{key}.Ttxt.D"] = block.count * tokens["text"] * d / tp
-    rope_stream = "joint" if arch.family == "flux" else "image"
+    rope_stream = "joint" if arch.family in ("flux", "qwen_image") else "image"
     feats["root.Timg.D"] = tokens["image"] * d
     feats["root.Ttxt.D"] = tokens["text"] * d
     feats["root.D"] = d
@@ -63,12 +63,12 @@ def activation_features(arch: ArchSpec, tokens: dict[str, int], checkpointing: b
 
 def _input_width(arch: ArchSpec) -> int:
     """Width of the raw latent input (0 on a pipeline stage without the embedders: it saves no raw input)."""
-    names = ("x_embedder", "patch_embedding", "pos_embed.proj")
+    names = ("x_embedder", "patch_embedding", "pos_embed.proj", "img_in")
     return next((lin.in_features for lin in arch.root if lin.name in names), 0)
 
 
 def _text_width(arch: ArchSpec) -> int:
-    names = ("context_embedder", "condition_embedder.text_embedder.linear_1")
+    names = ("context_embedder", "condition_embedder.text_embedder.linear_1", "txt_in")
     return next((lin.in_features for lin in arch.root if lin.name in names), 0)
 
 

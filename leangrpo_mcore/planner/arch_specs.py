@@ -1,13 +1,14 @@
 """Architecture arithmetic for the layout planner: parameters, tokens and FLOPs from diffusers hyper-parameters.
 
-Pure Python. An :class:`ArchSpec` lists every linear layer of a FLUX, SD3 or Wan transformer (diffusers module names,
+Pure Python. An :class:`ArchSpec` lists every linear layer of a FLUX, SD3, Wan or Qwen-Image transformer (diffusers
+module names,
 shapes, which token stream it runs over and how tensor parallelism splits it) plus the non-linear parameters
 (norm weights, scale-shift tables). Parameter counts, forward FLOPs, LoRA adapter sizes and TP all-reduce volumes
 all follow from that one list, so they cannot disagree with each other.
 
 Token streams: ``image`` (image / video tokens), ``text`` (text-encoder tokens), ``joint`` (both, FLUX's joint
-sequence; SD3's joint attention), ``sample`` (one row per sample: timestep / pooled-text embeddings and adaLN
-modulation) and ``clip`` (a conditioning image's CLIP tokens: Wan2.1-I2V). An image-conditioned FLUX
+sequence; SD3's and Qwen-Image's joint attention), ``sample`` (one row per sample: timestep / pooled-text embeddings
+and adaLN modulation) and ``clip`` (a conditioning image's CLIP tokens: Wan2.1-I2V). An image-conditioned FLUX
 (FLUX.1-Kontext) appends the reference image's tokens to the generated ones: they are ``image`` tokens to every
 layer, counted apart as ``reference`` (what the trajectories store is the generated latent only); Wan2.2-TI2V's
 image takes the place of the first latent frame, whose tokens are then its ``reference``.
@@ -22,12 +23,16 @@ from typing import Any, Optional
 
 from leangrpo_mcore.block_split import stage_block_counts
 from leangrpo_mcore.errors import UserError
-from leangrpo_mcore.vae_factors import FLUX_SPATIAL_FACTOR, SD3_SPATIAL_FACTOR, spatial_factor
+from leangrpo_mcore.vae_factors import (FLUX_SPATIAL_FACTOR, QWEN_IMAGE_SPATIAL_FACTOR, SD3_SPATIAL_FACTOR,
+                                        spatial_factor)
 
 FLUX_CLASS = "FluxTransformer2DModel"
 SD3_CLASS = "SD3Transformer2DModel"
 WAN_CLASS = "WanTransformer3DModel"
-_CLASS_FAMILIES = {FLUX_CLASS: "flux", SD3_CLASS: "sd3", WAN_CLASS: "wan"}
+QWEN_IMAGE_CLASS = "QwenImageTransformer2DModel"
+_CLASS_FAMILIES = {FLUX_CLASS: "flux", SD3_CLASS: "sd3", WAN_CLASS: "wan", QWEN_IMAGE_CLASS: "qwen_image"}
+_IMAGE_FAMILIES = ("flux", "sd3", "qwen_image")
+"""Families of image models, whose stage boundary is ``[temb, text, image]`` rows."""
 
 _FLUX_DEV = {
     "_class_name": FLUX_CLASS, "patch_size": 1, "in_channels": 64, "out_channels": None, "num_layers": 19,
@@ -86,6 +91,11 @@ BUILTIN_PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
         "caption_projection_dim": 2432, "pooled_projection_dim": 2048, "out_channels": 16,
         "pos_embed_max_size": 192, "dual_attention_layers": [], "qk_norm": "rms_norm",
     }),
+    "qwen-image": ("qwen_image", {
+        "_class_name": QWEN_IMAGE_CLASS, "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60,
+        "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False,
+        "axes_dims_rope": [16, 56, 56],
+    }),
 }
 
 # The families' default LoRA targets (``FAMILY.lora_targets`` of the models package; FlowGRPO's FLUX set).
@@ -95,6 +105,9 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "sd3": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
             "attn.add_v_proj", "attn.to_add_out"),
     "wan": ("to_q", "to_k", "to_v", "to_out"),
+    "qwen_image": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+                   "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                   "txt_mlp.net.2"),
 }
 
 IMAGE_CONDITIONED = frozenset({"flux-kontext-dev"})
@@ -145,6 +158,14 @@ class BlockSpec:
     """Hidden width of the block's MLP (for the activation model)."""
     stream: str
     """The token stream of the block's residual (joint for FLUX, image for Wan)."""
+    idle: tuple[LinearSpec, ...] = ()
+    """Linears the block holds but never runs, their output unread (Qwen-Image's last text MLP): parameters,
+    gradients-free, no FLOPs, no activations."""
+
+    @property
+    def held(self) -> tuple[LinearSpec, ...]:
+        """Every linear whose parameters the block holds: the ones it runs and the idle ones."""
+        return self.linears + self.idle
 
 
 @dataclass(frozen=True)
@@ -190,7 +211,7 @@ class ArchSpec:
         s = self.spatial_stride
         if height % s or width % s:
             raise UserError(f"{self.name}: height and width must be multiples of {s}, got {height}x{width}")
-        if self.family in ("flux", "sd3") and frames != 1:
+        if self.family in _IMAGE_FAMILIES and frames != 1:
             raise UserError(f"{self.name} is an image model: frames must be 1, got {frames}")
         if (frames - 1) % self.temporal_stride:
             raise UserError(f"{self.name}: frames must be 1 + a multiple of {self.temporal_stride}, got {frames}")
@@ -239,9 +260,9 @@ def _linear_params(linears: tuple[LinearSpec, ...], part: Optional[str] = None) 
 def param_counts(arch: ArchSpec) -> dict[str, int]:
     """Parameters: ``total``, ``tp_sharded`` (split by TP) and ``replicated`` (full copy on every TP rank)."""
     sharded = _linear_params(arch.root, "sharded")
-    sharded += sum(b.count * (_linear_params(b.linears, "sharded") + b.tp_norm_params) for b in arch.blocks)
+    sharded += sum(b.count * (_linear_params(b.held, "sharded") + b.tp_norm_params) for b in arch.blocks)
     replicated = _linear_params(arch.root, "replicated") + arch.root_norm_params
-    replicated += sum(b.count * (_linear_params(b.linears, "replicated") + b.norm_params) for b in arch.blocks)
+    replicated += sum(b.count * (_linear_params(b.held, "replicated") + b.norm_params) for b in arch.blocks)
     return {"total": sharded + replicated, "tp_sharded": sharded, "replicated": replicated}
 
 
@@ -260,8 +281,8 @@ def largest_block_params(arch: ArchSpec, tp: int) -> int:
     """Parameters of the largest block on one TP rank (what one FSDP all-gather unshards at once)."""
     best = 0
     for b in arch.blocks:
-        sharded = _linear_params(b.linears, "sharded") + b.tp_norm_params
-        best = max(best, -(-sharded // tp) + _linear_params(b.linears, "replicated") + b.norm_params)
+        sharded = _linear_params(b.held, "sharded") + b.tp_norm_params
+        best = max(best, -(-sharded // tp) + _linear_params(b.held, "replicated") + b.norm_params)
     return best
 
 
@@ -277,7 +298,7 @@ def lora_params(arch: ArchSpec, rank: int, targets: tuple[str, ...]) -> dict[str
         raise UserError(f"LoRA rank must be >= 0, got {rank}")
     total = sharded = 0
     for block in arch.blocks:
-        for lin in block.linears:
+        for lin in block.held:
             if rank and any(_target_matches(lin.name, t) for t in targets):
                 total += block.count * rank * (lin.in_features + lin.out_features)
                 # A column-parallel base shards B (out side); a row-parallel base shards A (in side).
@@ -354,9 +375,9 @@ def stage_spec(arch: ArchSpec, pp: int, rank: int) -> ArchSpec:
 
 def boundary_elements(arch: ArchSpec, tokens: dict[str, int]) -> int:
     """Elements of the one tensor a pipeline stage sends the next per sample and forward (``docs/models.md``):
-    FLUX's and SD3's ``[temb, text, image]`` rows, Wan ``[hidden states, temb, 6 modulation rows, text]`` (per-sample
-    timesteps), each ``hidden_size`` wide."""
-    rows = 1 + tokens["joint"] if arch.family in ("flux", "sd3") else (
+    FLUX's, SD3's and Qwen-Image's ``[temb, text, image]`` rows, Wan ``[hidden states, temb, 6 modulation rows, text]``
+    (per-sample timesteps; a Wan2.1-I2V's CLIP tokens after the text), each ``hidden_size`` wide."""
+    rows = 1 + tokens["joint"] if arch.family in _IMAGE_FAMILIES else (
         tokens["image"] + 7 + tokens["text"] + tokens.get("clip", 0))
     return rows * arch.hidden_size
 
@@ -510,13 +531,45 @@ def sd3_spec(config: dict, name: str = "sd3") -> ArchSpec:
                     blocks=tuple(runs))
 
 
+def qwen_image_spec(config: dict, name: str = "qwen_image") -> ArchSpec:
+    """The :class:`ArchSpec` of a diffusers ``QwenImageTransformer2DModel`` config (missing keys: diffusers defaults):
+    dual-stream blocks with per-stream modulation and MLPs, the text entering through an RMSNorm (``txt_norm``)."""
+    c = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+         "num_attention_heads": 24, "joint_attention_dim": 3584, **config}
+    heads, head_dim = int(c["num_attention_heads"]), int(c["attention_head_dim"])
+    d, p, text_dim = heads * head_dim, int(c["patch_size"]), int(c["joint_attention_dim"])
+    in_ch, out_ch, mlp = int(c["in_channels"]), int(c["out_channels"] or c["in_channels"]), 4 * heads * head_dim
+    root = (_lin("img_in", in_ch, d, "image"), _lin("txt_in", text_dim, d, "text"),
+            _lin("time_text_embed.timestep_embedder.linear_1", 256, d, "sample"),
+            _lin("time_text_embed.timestep_embedder.linear_2", d, d, "sample"),
+            _lin("norm_out.linear", d, 2 * d, "sample", "column"), _lin("proj_out", d, p * p * out_ch, "image"))
+    block = [_lin(f"{s}_mod.1", d, 6 * d, "sample", "column") for s in ("img", "txt")]
+    block += [_lin(f"attn.{proj}", d, d, "image", "column") for proj in ("to_q", "to_k", "to_v")]
+    block += [_lin(f"attn.{proj}", d, d, "text", "column") for proj in ("add_q_proj", "add_k_proj", "add_v_proj")]
+    block += [_lin("attn.to_out.0", d, d, "image", "row"), _lin("attn.to_add_out", d, d, "text", "row")]
+    for stream, prefix in (("image", "img"), ("text", "txt")):
+        block += [_lin(f"{prefix}_mlp.net.0.proj", d, mlp, stream, "column"),
+                  _lin(f"{prefix}_mlp.net.2", mlp, d, stream, "row")]
+    # The last block's text output is unread: it holds, but does not run, its text projection and MLP.
+    unread = ("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+    kind = dict(norm_params=4 * head_dim, tp_norm_params=0, attention=(("joint", "joint"),), mlp_dim=mlp,
+                stream="joint")
+    blocks = (BlockSpec("qwen", int(c["num_layers"]) - 1, tuple(block), **kind),
+              BlockSpec("qwen_last", 1, tuple(lin for lin in block if lin.name not in unread), **kind,
+                        idle=tuple(lin for lin in block if lin.name in unread)))
+    return ArchSpec(family="qwen_image", name=name, config=dict(c), hidden_size=d, num_heads=heads,
+                    head_dim=head_dim, latent_channels=in_ch // 4, spatial_stride=2 * QWEN_IMAGE_SPATIAL_FACTOR,
+                    temporal_stride=1, temporal_patch=1, vae_stride=QWEN_IMAGE_SPATIAL_FACTOR, root=root,
+                    root_norm_params=text_dim, blocks=blocks)
+
+
 def arch_from_config(family: str, config: dict, name: Optional[str] = None) -> ArchSpec:
-    """Build the spec of ``family`` ("flux", "sd3" or "wan") from a diffusers-style config dict."""
+    """Build the spec of ``family`` ("flux", "sd3", "wan" or "qwen_image") from a diffusers-style config dict."""
     if not isinstance(config, dict):
         raise UserError(f"a model config must be a mapping, got {type(config).__name__}")
-    builders = {"flux": flux_spec, "sd3": sd3_spec, "wan": wan_spec}
+    builders = {"flux": flux_spec, "sd3": sd3_spec, "wan": wan_spec, "qwen_image": qwen_image_spec}
     if family not in builders:
-        raise UserError(f"unknown model family {family!r} (expected flux, sd3 or wan)")
+        raise UserError(f"unknown model family {family!r} (expected flux, sd3, wan or qwen_image)")
     return builders[family](config, name or family)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from leangrpo_mcore.config.window_rules import rollout_steps
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.planner.arch_specs import (DEFAULT_LORA_TARGETS, ArchSpec, arch_from_config, load_arch,
                                                 preset_config)
@@ -76,6 +77,22 @@ def expert_trained_steps(arch: ArchSpec, train: str, sigma_kind: str, num_steps:
     return max(1, min(count, int(candidates.sum())))
 
 
+def rollout_steps_of(config: Any, window_start: Optional[int] = None) -> float:
+    """The policy forwards of one rollout (T', ``config.window_rules.rollout_steps``): T unless the steps after a shared
+    SDE window are compressed; then at ``window_start``, or (None) the mean over the starts the window takes, each
+    for as many optimizer steps (a fixed window's one start, a progressive window's sweep)."""
+    s = config.sampler
+    if not s.sde_window_size or not s.ode_steps_after_window or s.sde_window_schedule == "random":
+        return float(s.num_steps)
+    low, high = int(s.sde_window_range[0]), int(s.sde_window_range[-1])
+    if window_start is not None:
+        starts = [window_start]
+    else:
+        starts = [low] if s.sde_window_schedule == "fixed" else list(range(low, high, s.window_stride))
+    counts = [rollout_steps(s.num_steps, k + s.sde_window_size, s.ode_steps_after_window) for k in starts]
+    return sum(counts) / len(counts)
+
+
 def reweight_plan_of(config: Any):
     """The schedule's own Reweight plan for ``config`` (accumulation after any fallback, global fold, note)."""
     # Imported lazily (torch): the schedule's own rule for when affine accumulation falls back to per-sample.
@@ -127,6 +144,7 @@ def workload_from_config(config: Any, *, text_tokens: Optional[int] = None, rewa
     scorer = reward_memory(config.reward)
     return Workload(
         arch=arch, tokens=tokens, num_steps=s.num_steps, selected_steps=trained_steps_of(config, arch),
+        rollout_steps=rollout_steps_of(config), keep_means=config.grpo.ratio_norm,
         group_size=config.grpo.group_size, prompts_per_step=config.grpo.prompts_per_step,
         micro_batch=config.schedule.micro_batch, lora_rank=m.lora.rank, lora_targets=targets,
         precision=precision_from_config(config),

@@ -40,6 +40,7 @@ from leangrpo_mcore.planner.arch_specs import (
     tp_allreduce_elements,
 )
 from leangrpo_mcore.planner.gather_cost import full_gathers, gather_seconds, gathered_elements, mode_of, refused_mode
+from leangrpo_mcore.planner.passes import coalesced, reweight_parts, step_passes, sync_count
 from leangrpo_mcore.planner.workload import SCHEDULES, Hardware, Layout, Shape, Workload, sample_shape
 
 
@@ -99,11 +100,12 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
     text_width = next(lin.in_features for lin in work.arch.root if lin.stream == "text")
     # A trajectory keeps fp32 latents for every step (docs/algorithms.md §7), each CP rank its piece
     # (parallel/sequence.py), and the prompt's text embeddings.
-    trajectory = -(-4 * (work.num_steps + 1) * work.arch.latent_elements(work.tokens) * cfg // cp)
+    per_step = work.num_steps + 1 + (work.num_steps if work.keep_means else 0)  # + GRPO-Guard's kept means
+    trajectory = -(-4 * per_step * work.arch.latent_elements(work.tokens) * cfg // cp)
     trajectory += 4 * work.arch.reference_elements(work.tokens)  # a float32 conditioning image, whole on every CP rank
     trajectory += work.tokens["text"] * text_width * prec.compute_bytes
-    # Only CP rank 0 of the last stage scores (engine/step.py): it alone holds the reward model. The planner's
-    # rank of a stage stands for its heaviest one, so the last stage's is that scoring rank.
+    # Only CP rank 0 of the last stage scores (engine/step/reward_join.py): it alone holds the reward model. The
+    # planner's rank of a stage stands for its heaviest one, so the last stage's is that scoring rank.
     scores = stage == layout.pp - 1
     # A no-grad pipelined rollout keeps no boundary after sending it (parallel/stages.py): a stage before the last
     # holds at most two micro-batches' boundaries at once (the one it sends, the next it makes), whatever their count.
@@ -136,7 +138,7 @@ def _memory_terms(work: Workload, hw: Hardware, layout: Layout, ac: bool, stage:
         "in_flight": min(layout.pp - stage, shape.micro_batches // shape.groups_per_rank * work.selected_steps),
         # Reweight's 1F1B over a denoising step's trained samples (two units each with the KL term at pp > 1):
         # stage k holds up to pp - k one-sample graphs (one at pp = 1)
-        "in_flight_samples": min(layout.pp - stage, shape.generations_per_rank * _reweight_parts(work, layout.pp)),
+        "in_flight_samples": min(layout.pp - stage, shape.generations_per_rank * reweight_parts(work, layout.pp)),
     }
 
 
@@ -145,12 +147,6 @@ def _trainable_per_rank(work: Workload, arch: ArchSpec, tp: int) -> int:
     per_expert = params_per_rank(arch, tp) if work.full_finetune else lora_params_per_rank(
         arch, work.lora_rank, work.lora_targets, tp)
     return per_expert * work.trained_experts
-
-
-def _reweight_parts(work: Workload, pp: int) -> int:
-    """Forward-backward units per trained sample and step of Reweight: two at pp > 1 with the KL term (its KL part
-    and its policy-gradient part, each with its own forward: ``schedules/reweight.py``), else one."""
-    return 2 if pp > 1 and work.kl_beta > 0 else 1
 
 
 def _fitted_lora_rank(work: Workload) -> int:
@@ -164,12 +160,7 @@ def _fitted_lora_rank(work: Workload) -> int:
 
 def _largest_weight(arch) -> int:
     """Elements of the largest single weight matrix (bounds a one-parameter-at-a-time optimizer's temporaries)."""
-    return max(lin.in_features * lin.out_features for lin in arch.root + sum((b.linears for b in arch.blocks), ()))
-
-
-def _coalesced(work: Workload, schedule: str) -> bool:
-    """Whether ``schedule`` accumulates unsharded gradients and syncs later (``engine.step`` sync modes)."""
-    return schedule != "native" or work.coalesce_sync
+    return max(lin.in_features * lin.out_features for lin in arch.root + sum((b.held for b in arch.blocks), ()))
 
 
 def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool,
@@ -189,8 +180,8 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
     update = {k: m[k] for k in ("weights", "optimizer", "reference", "reserved", "reward_model")}
     base = {**update, "gathered_params": m["gathered_rollout"]}
     update["gathered_params"] = m["gathered_update"]
-    unsharded = m["gradient_buffer"] if _coalesced(work, schedule) else 0
-    sharded = 0 if _coalesced(work, schedule) else m["grads"]
+    unsharded = m["gradient_buffer"] if coalesced(work, schedule) else 0
+    sharded = 0 if coalesced(work, schedule) else m["grads"]
     trajectories = m["trajectory"] * (m["samples"] if schedule == "native" else 1)
     phases = {
         "rollout": {**base, "trajectories": trajectories, "rollout_working": m["rollout_working"],
@@ -199,7 +190,7 @@ def memory_phases(work: Workload, hw: Hardware, layout: Layout, schedule: str, a
                            "reserved": m["reserved"], "reward_model": m["reward_model"],
                            "optimizer_temporaries": m["optimizer_temporaries"]},
     }
-    if _coalesced(work, schedule) or work.updates_per_rollout > 1:
+    if coalesced(work, schedule) or work.updates_per_rollout > 1:
         # Reducing the unsharded gradient into the sharded one holds both; one data-parallel rank just moves it.
         staged = m["gradient_buffer"] if layout.fsdp else 0
         phases["gradient_sync"] = {**update, "grads": m["grads"], "unsharded_grads": staged}
@@ -303,29 +294,8 @@ def _sync_seconds(work: Workload, hw: Hardware, layout: Layout, trainable: int, 
     return seconds + 2.0 * (r - 1) / r * payload / s / (replica_bw * 1e9)
 
 
-def _sync_count(work: Workload, shape: Shape, schedule: str) -> float:
-    """Gradient synchronisations per step (``engine.step`` sync modes; later updates are Native)."""
-    later = (work.updates_per_rollout - 1) * (1 if _coalesced(work, schedule) else shape.micro_batches
-                                             * work.selected_steps)
-    if schedule == "reweight":
-        return shape.groups_per_rank + later  # one reduce-scatter of each group's scaled sum
-    if _coalesced(work, schedule):
-        return 1 + later  # Retain, coalesced Native: one reduce-scatter per update
-    return shape.micro_batches * work.selected_steps + later  # Native: every backward, like the baselines
-
-
 # The terms of a step that are the policy's own forwards and backwards (what pipeline stages wait on each other for).
 COMPUTE_TERMS = ("rollout", "recompute", "reference_forward", "backward", "tp_all_reduce", "cp_all_to_all")
-
-
-def _passes(work: Workload, schedule: str, pp: int = 1) -> tuple[int, int]:
-    """(forwards, backwards) of one sample per step under ``schedule``; Reweight's KL part is a second backward,
-    at ``pp`` > 1 after a forward of its own."""
-    steps, extra, kl = work.selected_steps, work.updates_per_rollout - 1, work.kl_beta > 0
-    again = _reweight_parts(work, pp) - 1 if schedule == "reweight" else 0
-    forwards = work.num_steps + steps * ((1 if schedule == "native" else 0) + extra + (1 if kl else 0) + again)
-    backwards = steps * (1 + extra + (1 if kl and schedule == "reweight" else 0))
-    return forwards, backwards
 
 
 def step_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac: bool) -> dict[str, float]:
@@ -354,10 +324,10 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
     units (``schedules/native.py``), and each update's recompute is one 1F1B schedule over the
     (micro-batch, selected step) units. Retain: the rollout's steps as Native's (the trained ones keep their
     graphs), the KL reference forwards as Native's, its deferred backward a backward pipeline over the kept graphs
-    (the forward-only makespan with the backward's seconds), later updates 1F1B. Reweight: an untrained step as
-    Native's; a trained step one 1F1B schedule over the group's samples on the rank, each forward alone and
-    backpropagated at once (with the KL term two units per sample, after a forward-only schedule of the
-    reference forwards); later updates 1F1B.
+    (the forward-only makespan with the backward's seconds). Reweight: an untrained step as Native's; a trained step
+    one 1F1B schedule over the group's samples on the rank, each forward alone and backpropagated at once (with the
+    KL term two units per sample, after a forward-only schedule of the reference forwards). The groups of the later
+    update blocks are Native's; a rollout is T' steps.
     """
     shape = sample_shape(work, layout)
     rates = [_rates(work, hw, layout, ac, arch) for arch in stages]
@@ -377,18 +347,21 @@ def _pipeline_span(work: Workload, hw: Hardware, layout: Layout, schedule: str, 
         ref = pt.forward_only(fwd, hops, units)
         ref = (ref[0] + units * velocity, ref[1] + units * velocity)
     train = pt.one_f_one_b(fwd, bwd, hops, units)
-    updates = work.updates_per_rollout
-    later = ((updates - 1) * train[0], (updates - 1) * train[1])
-    if schedule == "reweight":
-        trained = _reweight_trained_step(work, rates, pt.boundary_seconds(hw, layout, sample_bytes),
-                                         velocity / b, per_group * b, layout.pp)
-        untrained = work.num_steps - work.selected_steps
-        span = groups * (untrained * (roll[0] + per_group * velocity) + work.selected_steps * trained[0] + later[0])
-        p2p = groups * (untrained * (roll[1] + per_group * velocity) + work.selected_steps * trained[1] + later[1])
-        return span, p2p
-    first = pt.forward_only(bwd, hops, units) if schedule == "retain" else train
-    span = groups * (work.num_steps * (roll[0] + per_group * velocity) + ref[0] + first[0] + later[0])
-    p2p = groups * (work.num_steps * (roll[1] + per_group * velocity) + ref[1] + first[1] + later[1])
+    rollout_steps, steps = work.forwards_per_rollout, work.selected_steps
+    step_roll = [part + per_group * velocity for part in roll]
+
+    def group(name: str) -> list[float]:
+        """(makespan, boundary seconds) of one group's rollout and update under schedule ``name``."""
+        if name == "reweight":
+            trained = _reweight_trained_step(work, rates, pt.boundary_seconds(hw, layout, sample_bytes),
+                                             velocity / b, per_group * b, layout.pp)
+            return [(rollout_steps - steps) * r + steps * t for r, t in zip(step_roll, trained)]
+        first = pt.forward_only(bwd, hops, units) if name == "retain" else train
+        return [rollout_steps * r + k + f for r, k, f in zip(step_roll, ref, first)]
+
+    # the first block's groups trained by the schedule, the later blocks' by Native
+    own, native, share = group(schedule), group("native"), work.first_block
+    span, p2p = (groups * (share * o + (1 - share) * n) for o, n in zip(own, native))
     return span, p2p
 
 
@@ -399,7 +372,7 @@ def _reweight_trained_step(work: Workload, rates: list[_Rates], hops: list[float
     the KL term, after a forward-only schedule of the reference forwards), each velocity broadcast after."""
     fwd = [r.forward + r.tp_per_pass for r in rates]
     bwd = [r.backward + r.tp_per_pass for r in rates]
-    span, p2p = pt.one_f_one_b(fwd, bwd, hops, samples * _reweight_parts(work, pp))
+    span, p2p = pt.one_f_one_b(fwd, bwd, hops, samples * reweight_parts(work, pp))
     if work.kl_beta > 0:
         ref = pt.forward_only(fwd, hops, samples)
         span, p2p = span + ref[0] + samples * velocity, p2p + ref[1] + samples * velocity
@@ -411,33 +384,33 @@ def _stage_time(work: Workload, hw: Hardware, layout: Layout, schedule: str, ac:
     """Seconds per optimizer step by component of a rank holding ``arch`` (the whole model or one stage)."""
     shape = sample_shape(work, layout)
     rates, n, mb = _rates(work, hw, layout, ac, arch), shape.samples, shape.micro_batches
-    steps, extra = work.selected_steps, work.updates_per_rollout - 1
+    steps, rollout = work.selected_steps, work.forwards_per_rollout
     kl = work.kl_beta > 0
     trainable = _trainable_per_rank(work, arch, layout.tp)
-    forwards, backwards = _passes(work, schedule, layout.pp)
+    forwards, backwards = step_passes(work, schedule, layout.pp)
     # Reweight runs each trained sample's forward and backward alone (batch 1) whatever the micro-batch B: B
     # per-sample forwards and backwards, the work charged per sample below (no B backwards of a batched graph).
     shards = layout.shard_ranks
-    gathers = full_gathers(work, shape, schedule, mode_of(work, layout, schedule), forwards, backwards)
+    gathers = full_gathers(work, shape, schedule, mode_of(work, layout, schedule), layout.pp)
     grad_bytes = trainable * work.precision.buffer_bytes
     # Unsharded accumulation reads and writes the buffer once per backward; Reweight also scales and sums
     # its Q per-sample buffers once per group.
-    passes = 3 * max(mb * backwards - 1, 0) if _coalesced(work, schedule) else 0
-    if schedule == "reweight":
-        passes += shape.groups_per_rank * (shape.generations_per_rank + 1)
+    # (without FSDP every schedule accumulates into the parameters' own gradients alike: nothing extra)
+    passes = 3 * max(mb * backwards - 1, 0) if coalesced(work, schedule) and layout.fsdp else 0
+    if schedule == "reweight":  # the groups of its own block
+        passes += shape.groups_per_rank * work.first_block * (shape.generations_per_rank + 1)
     buffer_traffic = passes * grad_bytes / (hw.hbm_gbps * 1e9)
     optimizer_bytes = trainable / shards * (4 * work.precision.storage_bytes + work.precision.grad_bytes)
     return {
-        "rollout": n * work.num_steps * rates.forward,
-        # (Reweight's KL part at pp > 1 runs a forward of its own: ``_passes``)
-        "recompute": n * steps * rates.forward * ((1 if schedule == "native" else 0) + extra + (
-            _reweight_parts(work, layout.pp) - 1 if schedule == "reweight" else 0)),
+        "rollout": n * rollout * rates.forward,
+        # Native's recompute (in the later blocks too) and Reweight's KL part at pp > 1 (a forward of its own)
+        "recompute": n * (forwards - rollout - (steps if kl else 0)) * rates.forward,
         "reference_forward": n * steps * rates.forward if kl else 0.0,
         "backward": n * backwards * rates.backward,
         "fsdp_all_gather": gathers * gather_seconds(work, hw, layout, arch),
         "tp_all_reduce": n * (forwards + backwards) * rates.tp_per_pass,
         "cp_all_to_all": n * (forwards * rates.cp_forward + backwards * rates.cp_backward),
-        "grad_sync": _sync_count(work, shape, schedule) * _sync_seconds(work, hw, layout, trainable, arch),
+        "grad_sync": sync_count(work, shape, schedule) * _sync_seconds(work, hw, layout, trainable, arch),
         "grad_buffers": buffer_traffic,
         "optimizer": work.updates_per_rollout * optimizer_bytes / (hw.hbm_gbps * 1e9),
         "reward": n * work.reward_seconds,

@@ -28,24 +28,25 @@ from typing import Any
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.planner.arch_specs import (_OUTPUT_LAYERS, DEFAULT_LORA_TARGETS, ArchSpec, LinearSpec,
                                                 _target_matches)
-from leangrpo_mcore.planner.config_workload import arch_of, selected_steps_of, tokens_of
+from leangrpo_mcore.planner.config_workload import arch_of, rollout_steps_of, selected_steps_of, tokens_of
 
 FORWARD_KINDS = ("nograd", "rollout_grad", "recompute", "reference")
 """Sample-forwards by kind, as the benchmark's forward probe sorts them: rollout forwards without gradients,
 grad-enabled rollout forwards (recompute-free schedules), Native's recompute forwards, KL reference forwards."""
 
-# Root linears whose input is a model input (latents, text embeddings, sinusoidal timestep features).
-_ENTRY_LAYERS = ("x_embedder", "context_embedder", "patch_embedding", "linear_1")
+# Root linears whose input is a model input (latents, text embeddings, sinusoidal timestep features). Qwen-Image's
+# txt_in is not one: it reads txt_norm, whose weight trains in a full fine-tune.
+_ENTRY_LAYERS = ("x_embedder", "context_embedder", "patch_embedding", "linear_1", "img_in")
 
 
 ATTENTION_BACKWARD = 2.5
 """Backward over forward FLOPs of attention: dV = PᵀdO, dP = dO·Vᵀ, dQ = dS·K, dK = dSᵀQ and the recomputed
 scores QKᵀ, five products of the forward's two."""
 
-# The block linears that read the block's input residual streams (FLUX double / single, Wan), and Wan's
-# cross-attention keys and values, which read the text context no block updates.
-_BLOCK_INPUT = {"double": ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj",
-                           "attn.add_v_proj"),
+# The block linears that read the block's input residual streams (FLUX double / single, Wan, Qwen-Image), and
+# Wan's cross-attention keys and values, which read the text context no block updates.
+_JOINT_QKV = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+_BLOCK_INPUT = {"double": _JOINT_QKV, "qwen": _JOINT_QKV, "qwen_last": _JOINT_QKV,
                 "single": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
                 "wan": ("attn1.to_q", "attn1.to_k", "attn1.to_v")}
 _TEXT_CONTEXT = {"wan": ("attn2.to_k", "attn2.to_v")}
@@ -139,6 +140,7 @@ def step_passes(schedule: str, *, num_steps: int, selected_steps: int, kl: bool,
     """Sample-passes of one sample trained by ``schedule`` in one step: forwards by :data:`FORWARD_KINDS` and
     ``backward``.
 
+    ``num_steps`` is the rollout's forwards (T, or T' when the steps after the SDE window are compressed).
     Native rolls out all T steps without gradients and recomputes each of the |S| trained ones; Retain and
     Reweight run the trained steps' rollout forwards with gradients. The KL term adds a reference forward per
     trained step; under Reweight it is backpropagated apart from the policy-gradient part (a second backward of
@@ -175,7 +177,7 @@ class StepFlops:
 
     def per_rank_counts(self, dp_size: int) -> dict[str, int]:
         """Sample-passes one data-parallel rank runs (every rank of a sample's TP/CP/PP group runs them all)."""
-        return {k: v // dp_size for k, v in self.counts.items()}
+        return {k: v // dp_size if isinstance(v, int) else v / dp_size for k, v in self.counts.items()}
 
 
 def step_flops(arch: ArchSpec, tokens: dict[str, int], *, schedule: str, num_steps: int, selected_steps: int,
@@ -183,7 +185,7 @@ def step_flops(arch: ArchSpec, tokens: dict[str, int], *, schedule: str, num_ste
                lora_rank: int = 0, lora_targets: tuple[str, ...] = (), checkpointing: bool = False,
                cfg: bool = False, pp: int = 1) -> StepFlops:
     """The FLOPs of one step: the first of ``updates_per_rollout`` blocks of prompt groups is trained by
-    ``schedule``, the later ones by Native (``engine/step.py``)."""
+    ``schedule``, the later ones by Native (``engine/step/engine.py``)."""
     if prompts_per_step % updates_per_rollout:
         raise UserError(f"updates per rollout ({updates_per_rollout}) must divide prompts per step "
                         f"({prompts_per_step})")
@@ -197,8 +199,12 @@ def step_flops(arch: ArchSpec, tokens: dict[str, int], *, schedule: str, num_ste
     return StepFlops(samples=samples, passes=passes, counts=counts)
 
 
-def step_flops_for_config(config: Any, schedule: str | None = None) -> StepFlops:
-    """The FLOPs of one step of an experiment config under ``schedule`` (default ``config.schedule.name``)."""
+def step_flops_for_config(config: Any, schedule: str | None = None, window_start: int | None = None, *,
+                          text_tokens: int | None = None) -> StepFlops:
+    """The FLOPs of one step of an experiment config under ``schedule`` (default ``config.schedule.name``), its
+    prompts ``text_tokens`` long (default: the text encoder's length, see ``tokens_of``), with the rollout's T'
+    forwards when the steps after a shared SDE window are compressed: at ``window_start``, or the mean over the
+    window's starts (:func:`~leangrpo_mcore.planner.config_workload.rollout_steps_of`)."""
     name = schedule or config.schedule.name
     if name == "auto":
         raise UserError("schedule 'auto' must be resolved before counting a step's FLOPs")
@@ -206,7 +212,9 @@ def step_flops_for_config(config: Any, schedule: str | None = None) -> StepFlops
     lora = config.model.lora
     targets = DEFAULT_LORA_TARGETS[arch.family] if lora.targets is None else tuple(lora.targets)
     g = config.grpo
-    return step_flops(arch, tokens_of(config, arch), schedule=name, num_steps=config.sampler.num_steps,
+    rollout = rollout_steps_of(config, window_start)
+    return step_flops(arch, tokens_of(config, arch, text_tokens), schedule=name,
+                      num_steps=int(rollout) if rollout.is_integer() else rollout,
                       selected_steps=selected_steps_of(config), group_size=g.group_size,
                       prompts_per_step=g.prompts_per_step, updates_per_rollout=g.updates_per_rollout,
                       kl=g.kl_beta > 0, lora_rank=lora.rank, lora_targets=targets,

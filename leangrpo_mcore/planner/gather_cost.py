@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from leangrpo_mcore.parallel.gathering import GATHER_MODES, gather_mode, selection_varies_across_ranks
 from leangrpo_mcore.planner.arch_specs import ArchSpec, largest_block_params, params_per_rank, stored_params_per_rank
+from leangrpo_mcore.planner.passes import sample_passes
 from leangrpo_mcore.planner.workload import Hardware, Layout, Shape, Workload
 
 __all__ = ["GATHER_MODES", "mode_of", "gathered_elements", "full_gathers", "gather_seconds", "refused_mode"]
@@ -58,28 +59,31 @@ def gathered_elements(arch: ArchSpec, layout: Layout, mode: str) -> tuple[int, i
     return (few if mode == "forward" else everything), (everything if mode == "step" else few)
 
 
-def full_gathers(work: Workload, shape: Shape, schedule: str, mode: str, forwards: int, backwards: int) -> float:
-    """All-gathers of the whole model per rank and step (``forwards`` / ``backwards`` per sample: the cost
-    model's ``_passes``).
+def full_gathers(work: Workload, shape: Shape, schedule: str, mode: str, pp: int = 1) -> float:
+    """All-gathers of the whole model per rank and step (the passes of :mod:`leangrpo_mcore.planner.passes`).
 
     ``forward``: one per micro-batch pass (Reweight runs each trained sample alone: one per sample pass there).
     ``step``: one per update (the optimizer step frees the gathered copies). ``rollout``: one per prompt group's
     rollout, plus the update's passes (Native's recompute and backward, Retain's deferred backward, the KL
-    reference forwards, later updates; Reweight's trained passes run inside its rollout).
+    reference forwards; Reweight's trained passes run inside its rollout). The groups of the later update blocks
+    are Native's.
     """
     mb, n, steps = shape.micro_batches, shape.samples, work.selected_steps
-    extra, experts = work.updates_per_rollout - 1, work.arch.experts
+    rollout, share, experts = work.forwards_per_rollout, work.first_block, work.arch.experts
     # counted in gathers of one expert: a pass runs one, a step's or rollout's gathering covers them all
     if mode == "step":
-        return float((1 + extra) * experts)
+        return float(work.updates_per_rollout * experts)
+    native = sample_passes(work, "native", pp)
+    own = sample_passes(work, schedule, pp)
     if mode == "forward":
         if schedule != "reweight":
-            return float(mb * (forwards + backwards))
-        alone = forwards - work.num_steps + steps  # the per-sample passes gather once per sample
-        return float(mb * (forwards - alone) + n * (alone + backwards))
+            return mb * (share * sum(own) + (1 - share) * sum(native))
+        alone = own[0] - rollout + steps  # the per-sample passes gather once per sample
+        return share * (mb * (own[0] - alone) + n * (alone + own[1])) + (1 - share) * mb * sum(native)
+    later = (1 - share) * mb * (native[0] - rollout + native[1])
     if schedule == "reweight":
-        return float(shape.groups_per_rank * experts + mb * 2 * steps * extra)
-    return float(shape.groups_per_rank * experts + mb * (forwards - work.num_steps + backwards))
+        return shape.groups_per_rank * experts + later
+    return shape.groups_per_rank * experts + share * mb * (own[0] - rollout + own[1]) + later
 
 
 def gather_seconds(work: Workload, hw: Hardware, layout: Layout, arch: ArchSpec) -> float:

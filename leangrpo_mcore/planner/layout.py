@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from leangrpo_mcore.errors import UserError
+from leangrpo_mcore.planner.arch_specs import lora_params, lora_params_per_rank, param_counts, params_per_rank, stage_spec
 from leangrpo_mcore.planner.config_workload import (  # noqa: F401 (the config entry points, re-exported)
     DEFAULT_TEXT_TOKENS,
     HASHED_TEXT_TOKENS,
@@ -84,15 +85,33 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: ``schedule``, ``reason``, ``candidates``, ``placement``, the chosen layout and its
         ``overrides`` line."""
-        chosen = None if self.chosen is None else candidate_dict(self.chosen)
+        chosen = None if self.chosen is None else candidate_dict(self.chosen, self.workload)
         return {"schedule": self.schedule, "reason": self.reason, "chosen": chosen, "overrides": self.overrides,
-                "candidates": [candidate_dict(c) for c in self.candidates],
+                "candidates": [candidate_dict(c, self.workload) for c in self.candidates],
                 "placement": None if self.placement is None else self.placement.to_dict(),
                 "world_size": self.hardware.world_size, "gpu_mem_bytes": self.hardware.gpu_mem_bytes}
 
 
-def candidate_dict(est: Estimate) -> dict[str, Any]:
-    """One candidate as JSON: the documented JSON keys plus checkpointing, shape and notes."""
+def parameter_counts(work: Workload, layout: Layout) -> dict[str, int]:
+    """The policy's parameters, ``total`` and ``trainable`` (the adapters under LoRA, which ``total`` includes),
+    and what one rank stores of them after TP, the pipeline stages and FSDP2's ``dp_shard x cp`` sharding:
+    ``per_rank`` and ``trainable_per_rank``, on the rank of the largest stage."""
+    arch, full = work.arch, work.full_finetune
+    adapters = 0 if full else lora_params(arch, work.lora_rank, work.lora_targets)["total"]
+    total = param_counts(arch)["total"] + adapters
+    per_rank = trainable_per_rank = 0
+    for stage in range(layout.pp):
+        part = stage_spec(arch, layout.pp, stage)
+        held_adapters = 0 if full else lora_params_per_rank(part, work.lora_rank, work.lora_targets, layout.tp)
+        held = params_per_rank(part, layout.tp) + held_adapters
+        per_rank = max(per_rank, -(-held // layout.shard_ranks))
+        trainable_per_rank = max(trainable_per_rank, -(-(held if full else held_adapters) // layout.shard_ranks))
+    return {"total": total, "trainable": total if full else adapters, "per_rank": per_rank,
+            "trainable_per_rank": trainable_per_rank}
+
+
+def candidate_dict(est: Estimate, work: Workload) -> dict[str, Any]:
+    """One candidate as JSON: the documented JSON keys plus checkpointing, shape, parameters and notes."""
     shape = est.shape
     return {
         "schedule": est.schedule, "pp": est.layout.pp, "tp": est.layout.tp, "cp": est.layout.cp,
@@ -104,6 +123,7 @@ def candidate_dict(est: Estimate) -> dict[str, Any]:
         "peak_mem_bytes": est.peak_mem_bytes if est.feasible else None, "fits": est.fits,
         "feasible": est.feasible, "step_time_s": est.step_time_s if est.feasible else None,
         "max_selected_steps": est.max_selected_steps, "note": est.note, "details": dict(est.details),
+        "parameters": parameter_counts(work, est.layout),
         "breakdown": {"time_s": dict(est.time), "memory_bytes": dict(est.memory), "peak_phase": est.peak_phase},
     }
 

@@ -1,9 +1,9 @@
 """Memory of the built-in learned reward models, for the layout planner (pure Python).
 
-Only the ranks that score hold a reward model: CP rank 0 of the last pipeline stage (``engine/step.py``). Such a
-rank keeps the model resident for the whole run, in its dtype (``reward.options.dtype``; bfloat16 on a GPU by
-default), and while scoring also holds the inference activations of one batch of ``reward.options.batch_size``
-images. Both are derived here from the architecture numbers of the CLIP models the rewards load (transformers
+Only the ranks that score hold a reward model: CP rank 0 of the last pipeline stage
+(``engine/step/reward_join.py``). Such a rank keeps the model resident for the whole run, in its dtype
+(``reward.options.dtype``; bfloat16 on a GPU by default), and while scoring also holds the inference activations
+of one batch of ``reward.options.batch_size`` images. Both are derived here from the architecture numbers of the CLIP models the rewards load (transformers
 ``CLIPModel``: both towers, whichever of them a score uses); non-learned rewards (JPEG, OCR on the CPU, a remote
 server, plugins) add nothing.
 """

@@ -204,6 +204,7 @@ def simulate_step(config: Config, world_size: int, *, rank: int = 0, schedule: O
     from leangrpo_mcore.engine.step import StepInputs
 
     start = time.perf_counter()
+    source = resolve_model_source(config, check=False)  # fake tensors: no weights are read, none are trained
     schedule = schedule or config.schedule.name
     with fake_world(world_size, config.parallel.tp, config.parallel.cp, rank):
         sim = SimulationMode(backend=backend)

@@ -23,9 +23,9 @@ from leangrpo_mcore.planner.layout import Plan
 from leangrpo_mcore.planner.workload import SCHEDULES, Workload
 
 SIMULATE_CHOICES = ("chosen", "all")
-BASE_PRESET = {"flux": "flux-dev", "sd3": "sd3.5-medium", "wan": "wan2.1-1.3b"}
+BASE_PRESET = {"flux": "flux-dev", "sd3": "sd3.5-medium", "wan": "wan2.1-1.3b", "qwen_image": "qwen-image"}
 """Preset under a diffusers config's own hyper-parameters (every one of them overrides it)."""
-SIGMA_SCHEDULE = {"flux": "flux", "sd3": "sd3", "wan": "wan"}
+SIGMA_SCHEDULE = {"flux": "flux", "sd3": "sd3", "wan": "wan", "qwen_image": "qwen_image"}
 """The sigma schedule of each family's pipeline."""
 DEFAULT_SHIFT = 3.0
 """The static shift of a flag-described run (the trainer's default without a pipeline's scheduler config)."""

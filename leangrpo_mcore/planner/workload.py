@@ -90,12 +90,15 @@ class Hardware:
         return self.reduce_scatter_gbps or self.intra_node_gbps
 
 
-CPU_HOST = {"gpu_tflops": 0.025, "efficiency": 0.5, "intra_node_gbps": 0.5, "inter_node_gbps": 0.1,
+CPU_HOST = {"gpu_tflops": 0.06, "efficiency": 0.7, "intra_node_gbps": 0.5, "inter_node_gbps": 0.1,
             "reduce_scatter_gbps": 0.17, "hbm_gbps": 5.0, "overhead_bytes": GiB, "collective_latency_s": 5e-4}
 """Rates of a CPU host whose ranks are single-threaded processes joined by gloo (``leangrpo-plan --hardware
-cpu`` and the trainer's ``auto`` keys on CPU): a core's fp32 matmul rate, gloo's all-gather / all-reduce and
-(slower) reduce-scatter bandwidths and its per-collective latency, measured on a 2-core virtual machine (loaded:
-they rank layouts, they do not predict seconds)."""
+cpu``, the trainer's ``auto`` keys on CPU and the CPU benchmark's predictions): a core's fp32 matmul rate (60
+GFLOP/s: one thread of the 2-core AMD EPYC benchmark machine on the policies' matmul shapes) of which the policy's
+forwards and backwards reach 0.7 with a rank on each core (a single rank alone runs about 0.9 of it: the
+benchmark's world-size-1 steps take some 15 % less than predicted), gloo's all-gather / all-reduce and (slower)
+reduce-scatter bandwidths and its per-collective latency. (An earlier preset of 25 GFLOP/s at 0.5, measured on a
+loaded machine, predicted the CPU benchmark's steps three times too long.)"""
 
 HARDWARE_KINDS = ("gpu", "cpu")
 """Rate presets: ``gpu`` (the :class:`Hardware` defaults, an A100-class GPU) and ``cpu`` (:data:`CPU_HOST`)."""
@@ -167,6 +170,11 @@ class Workload:
     experts_train: str = "both"
     """model.experts.train of a two-expert policy: both, high or low (``selected_steps`` then counts only the
     trained expert's steps)."""
+    rollout_steps: Optional[float] = None
+    """T', the policy forwards of a rollout when the steps after a shared SDE window are compressed (MixGRPO-Flash),
+    averaged over the window's starts; None: ``num_steps``."""
+    keep_means: bool = False
+    """grpo.ratio_norm: a trajectory also keeps every step's SDE mean (float32, one latent per step)."""
 
     def __post_init__(self) -> None:
         if min(self.num_steps, self.selected_steps, self.group_size, self.prompts_per_step, self.micro_batch) < 1:
@@ -177,6 +185,20 @@ class Workload:
             raise UserError("updates per rollout >= 1, LoRA rank >= 0, KL beta >= 0 and reward time >= 0 needed")
         if self.experts_train != "both" and self.arch.experts == 1:
             raise UserError(f"experts train {self.experts_train}: {self.arch.name} has one transformer")
+        if self.rollout_steps is not None and not self.selected_steps <= self.rollout_steps <= self.num_steps:
+            raise UserError(f"rollout forwards ({self.rollout_steps}) must lie between the selected steps "
+                            f"({self.selected_steps}) and the steps ({self.num_steps})")
+
+    @property
+    def forwards_per_rollout(self) -> float:
+        """T' (:attr:`rollout_steps`), else T."""
+        return float(self.num_steps if self.rollout_steps is None else self.rollout_steps)
+
+    @property
+    def first_block(self) -> float:
+        """The share of a step's prompt groups the configured schedule trains: the first of ``updates_per_rollout``
+        blocks (the later ones are Native's, ``engine/step/engine.py``)."""
+        return 1.0 / self.updates_per_rollout
 
     @property
     def full_finetune(self) -> bool:

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 KL_FORMS = ("flow_grpo", "exact")
+GRAD_REWEIGHTS = ("none", "flow_grpo", "dancegrpo")
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,17 @@ def _check_batch(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor) -> 
         )
 
 
+def clipped_surrogate(log_ratio: Tensor, advantages: Tensor, *, clip_range: float) -> Tuple[Tensor, Tensor]:
+    """(per-sample max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ) of a (B,) float32 log-ratio; ``advantages`` are constants."""
+    if not 0.0 < clip_range < 1.0:
+        raise ValueError(f"clip_range must be in (0, 1), got {clip_range}")
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach().float()
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped), ratio
+
+
 @register_policy_loss("grpo")
 def grpo_step_loss(
     log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, *, clip_range: float
@@ -89,15 +101,9 @@ def grpo_step_loss(
     ``old_log_prob`` and ``advantages`` are constants (detached); all math is float32. At ρ = 1 the
     gradient is −A·∇log p (docs/algorithms.md §6), which the recompute-free schedules rely on.
     """
-    if not 0.0 < clip_range < 1.0:
-        raise ValueError(f"clip_range must be in (0, 1), got {clip_range}")
     _check_batch(log_prob, old_log_prob, advantages)
     log_ratio = log_prob.float() - old_log_prob.detach().float()
-    ratio = torch.exp(log_ratio)
-    adv = advantages.detach().float()
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = torch.maximum(unclipped, clipped)
+    loss, ratio = clipped_surrogate(log_ratio, advantages, clip_range=clip_range)
     with torch.no_grad():
         metrics = PolicyLossMetrics(
             clip_fraction=((ratio - 1.0).abs() > clip_range).float().mean(),
@@ -170,3 +176,31 @@ def kl_loss(
     if sample_mean is not None:
         return sample_mean(per_elem)
     return per_elem.mean(dim=tuple(range(1, per_elem.ndim)))
+
+
+def ratio_norm_log_ratio(log_prob: Tensor, old_log_prob: Tensor, mean: Tensor, old_mean: Tensor, std: Tensor, *,
+                         sample_mean: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
+    """GRPO-Guard's RatioNorm of one step's log-ratio, per sample (B,) float32 (docs/algorithms.md §9):
+
+        log ρ̃ = (log p − log p_old + mean_d (μ − μ_old)² / (2 s²)) · s
+
+    with s the (B,) transition std. Under the rollout's noise, log p − log p_old has mean −mean_d (μ − μ_old)²/(2 s²)
+    (the ratio's left shift): the added term centres it, and the factor s makes its spread independent of the
+    step's noise. ``old_log_prob`` and ``old_mean`` are constants; the gradient flows through ``log_prob`` and
+    ``mean``. ``sample_mean`` replaces the mean over a sample's elements under context parallelism."""
+    s = torch.as_tensor(std, device=log_prob.device).detach().float().reshape(log_prob.shape[0], -1)[:, 0]
+    drift = (mean.float() - old_mean.detach().float()) ** 2
+    drift = sample_mean(drift) if sample_mean is not None else drift.flatten(1).mean(dim=1)
+    return (log_prob.float() - old_log_prob.detach().float() + drift / (2.0 * s**2)) * s
+
+
+def guard_step_weight(form: str, sigma: Tensor, sigma_next: Tensor, noise_level: float) -> Tensor:
+    """GRPO-Guard's gradient weight of a step, (B,) float32 (docs/algorithms.md §9): ``flow_grpo`` 1/|dt|,
+    ``dancegrpo`` 1/(|dt|·(1 + η²·(1 − σ)/(2σ))), with |dt| = σ − σ' and η = ``noise_level``."""
+    if form not in GRAD_REWEIGHTS or form == "none":
+        raise ValueError(f"unknown gradient reweighting {form!r}; valid: flow_grpo, dancegrpo")
+    s, n = sigma.double(), sigma_next.double()
+    weight = 1.0 / (s - n)
+    if form == "dancegrpo":
+        weight = weight / (1.0 + noise_level**2 * (1.0 - s) / (2.0 * s))
+    return weight.to(torch.float32)

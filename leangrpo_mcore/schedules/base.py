@@ -30,14 +30,16 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
 from leangrpo_mcore.diffusion.sampler import SDEParams, StepRecord, TrainedRow
+from leangrpo_mcore.diffusion.sde import SDEStep
 from leangrpo_mcore.diffusion.trajectory import Conditioning, Trajectory
 from leangrpo_mcore.diffusion.velocity import VelocityFn
 from leangrpo_mcore.parallel.grad_sync import GradSync
 from leangrpo_mcore.parallel.precision import ForwardPrecision, null_precision
-from leangrpo_mcore.rl.loss import grpo_step_loss, kl_loss
+from leangrpo_mcore.rl.loss import (GRAD_REWEIGHTS, clipped_surrogate, grpo_step_loss, guard_step_weight, kl_loss,
+                                    ratio_norm_log_ratio)
+from leangrpo_mcore.schedules.stats import UpdateStats
 
 UnitKey = tuple[int, int]
 """(prompt slot of the group, micro-batch index within this rank's share of the group)."""
@@ -80,6 +82,52 @@ class Objective:
     """β of the KL term (0: no reference forward at all)."""
     kl_form: str = "flow_grpo"
     """``flow_grpo`` (divide by 2·std_t²) or ``exact`` (true Gaussian KL)."""
+    ratio_norm: bool = False
+    """GRPO-Guard's RatioNorm of each step's log-ratio (:func:`~leangrpo_mcore.rl.loss.ratio_norm_log_ratio`)."""
+    grad_reweight: str = "none"
+    """GRPO-Guard's per-step weight of the clipped surrogate: none, flow_grpo or dancegrpo
+    (:func:`~leangrpo_mcore.rl.loss.guard_step_weight`)."""
+
+    def __post_init__(self) -> None:
+        if self.grad_reweight not in GRAD_REWEIGHTS:
+            raise ValueError(f"unknown gradient reweighting {self.grad_reweight!r}; valid: {', '.join(GRAD_REWEIGHTS)}")
+
+    @property
+    def guarded(self) -> bool:
+        """Whether GRPO-Guard changes the unit loss (either part on)."""
+        return self.ratio_norm or self.grad_reweight != "none"
+
+
+@dataclass(frozen=True)
+class GuardTerms:
+    """What GRPO-Guard's parts of a unit loss read besides the log-probabilities (docs/algorithms.md §9)."""
+
+    mean: torch.Tensor
+    """(B, *shape) SDE mean μ of the step, with its graph."""
+    old_mean: torch.Tensor
+    """(B, *shape) μ_old of the rollout (detached; on the first update the same values as ``mean``)."""
+    std: torch.Tensor
+    """(B, 1, ..., 1) transition std s of the step."""
+    weight: Optional[torch.Tensor]
+    """(B,) float32 gradient weight of the step (None: grpo.grad_reweight none)."""
+    sample_mean: Callable[[torch.Tensor], torch.Tensor]
+    """Mean over a sample's elements (a context-parallel reduction under a split)."""
+
+
+def guard_terms(sde: SDEParams, objective: Objective, step: SDEStep, old_mean: Optional[torch.Tensor],
+                sigma: torch.Tensor, sigma_next: torch.Tensor) -> Optional[GuardTerms]:
+    """GRPO-Guard's inputs of a step (``step`` the policy's SDE step of it, ``old_mean`` the rollout's mean), None
+    when the objective uses neither part. Retain and Reweight pass ``step.mean.detach()`` (their forward is the
+    rollout's); Native the mean its rollout kept (the policy has moved in a later update)."""
+    if not objective.guarded:
+        return None
+    if objective.ratio_norm and old_mean is None:
+        raise ValueError("grpo.ratio_norm needs the rollout's SDE means: the rollout did not keep them")
+    weight = None
+    if objective.grad_reweight != "none":
+        weight = guard_step_weight(objective.grad_reweight, sigma, sigma_next, sde.noise_level).to(step.mean.device)
+    return GuardTerms(mean=step.mean, old_mean=step.mean.detach() if old_mean is None else old_mean, std=step.std,
+                      weight=weight, sample_mean=sde.sample_mean)
 
 
 def loss_weight(num_samples: int, steps_per_sample: int) -> float:
@@ -127,47 +175,6 @@ class GroupUpdate:
     """−mean·alpha."""
     clamp_fired: bool = False
     """Whether clamping changed any advantage of this group."""
-
-
-@dataclass
-class UpdateStats:
-    """Diagnostics of one update on this rank, kept as device tensors (no host sync until :meth:`reduced`)."""
-
-    clip_range: float = 0.0
-    """ε used to count clipped ratios."""
-    ratios: list[torch.Tensor] = field(default_factory=list)
-    """Detached ρ of the trained rows, one tensor per unit."""
-    losses: list[torch.Tensor] = field(default_factory=list)
-    """Detached 0-d weighted losses (their sum is this rank's share of the update loss)."""
-    max_local_grad_buffers: int = 0
-    """Most provisional gradients held at once (Reweight)."""
-
-    def add(self, ratio: torch.Tensor, loss: Optional[torch.Tensor] = None) -> None:
-        """Record the ratios ρ (of train rows) and the loss of one unit."""
-        self.ratios.append(ratio.detach().flatten())
-        if loss is not None:
-            self.losses.append(loss.detach().reshape(()))
-
-    def reduced(self, dp_group, device: torch.device) -> dict[str, float]:
-        """loss, ratio extremes and mean, clip fraction over the data-parallel ranks (``dp_group``; None: local)."""
-        device = device if device.type == "cuda" else torch.device("cpu")
-        ratio = torch.cat([r.to(device, torch.float64) for r in self.ratios]) if self.ratios else \
-            torch.ones(0, dtype=torch.float64, device=device)
-        loss = torch.stack([l.to(device, torch.float64) for l in self.losses]).sum() if self.losses else \
-            torch.zeros((), dtype=torch.float64, device=device)
-        clipped = ((ratio - 1).abs() > self.clip_range).sum()
-        sums = torch.stack([loss, ratio.sum(), clipped.to(torch.float64),
-                            torch.tensor(float(ratio.numel()), dtype=torch.float64, device=device)])
-        inf = torch.tensor(float("inf"), dtype=torch.float64, device=device)
-        low = ratio.min().reshape(1) if ratio.numel() else inf.reshape(1)
-        high = ratio.max().reshape(1) if ratio.numel() else -inf.reshape(1)
-        if dp_group is not None:
-            dist.all_reduce(sums, group=dp_group)
-            dist.all_reduce(low, op=dist.ReduceOp.MIN, group=dp_group)
-            dist.all_reduce(high, op=dist.ReduceOp.MAX, group=dp_group)
-        loss_sum, ratio_sum, clipped_n, count = sums.cpu().tolist()
-        return {"loss": loss_sum, "ratio_min": float(low), "ratio_max": float(high),
-                "ratio_mean": ratio_sum / count if count else 1.0, "clip_fraction": clipped_n / count if count else 0.0}
 
 
 class PhaseTimer:
@@ -230,15 +237,29 @@ def _masked_sum(per_sample: torch.Tensor, train: torch.Tensor, rows: Optional[li
 
 def unit_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
               train: torch.Tensor, weight: float, objective: Objective,
-              kl: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+              kl: Optional[torch.Tensor] = None,
+              guard: Optional[GuardTerms] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weighted loss of the unit, ρ of its train rows) — the one loss definition of every schedule. ``train`` is a
-    (B,) bool host tensor; the unit reads nothing back from the device."""
-    per_sample, _ = grpo_step_loss(log_prob, old_log_prob, advantages, clip_range=objective.clip_range)
+    (B,) bool host tensor; the unit reads nothing back from the device. With ``guard`` (GRPO-Guard,
+    docs/algorithms.md §9) ρ is RatioNorm's ρ̃ when ``objective.ratio_norm``, and each row's clipped surrogate is
+    multiplied by its step's gradient weight (the KL term is not)."""
+    if guard is None:
+        per_sample, _ = grpo_step_loss(log_prob, old_log_prob, advantages, clip_range=objective.clip_range)
+        ratio = torch.exp(log_prob.detach() - old_log_prob.detach())
+    else:
+        if objective.ratio_norm:
+            log_ratio = ratio_norm_log_ratio(log_prob, old_log_prob, guard.mean, guard.old_mean, guard.std,
+                                             sample_mean=guard.sample_mean)
+        else:
+            log_ratio = log_prob.float() - old_log_prob.detach().float()
+        per_sample, ratio = clipped_surrogate(log_ratio, advantages, clip_range=objective.clip_range)
+        ratio = ratio.detach()
+        if guard.weight is not None:
+            per_sample = per_sample * guard.weight
     if kl is not None:
         per_sample = per_sample + objective.kl_beta * kl
     rows = selected_rows(train)
     loss = _masked_sum(per_sample, train, rows) * weight
-    ratio = torch.exp(log_prob.detach() - old_log_prob.detach())
     if rows is not None:
         ratio = ratio.index_select(0, torch.tensor(rows, dtype=torch.long).to(ratio.device))
     return loss, ratio

@@ -28,7 +28,8 @@ import torch
 
 from leangrpo_mcore.diffusion.trajectory import Trajectory
 from leangrpo_mcore.parallel.pipeline import loss_triple, run_micro_batches
-from leangrpo_mcore.schedules.base import GroupUpdate, Schedule, kl_value, pipelined, register_schedule, unit_loss
+from leangrpo_mcore.schedules.base import (GroupUpdate, GuardTerms, Schedule, guard_terms, kl_value, pipelined,
+                                           register_schedule, unit_loss)
 
 
 PHASES = {"forward-compute": "recompute", "backward-compute": "backward"}
@@ -92,12 +93,16 @@ class NativeSchedule(Schedule):
         else:
             kl = self.step_kl(out.mean, out.std, traj.latents[:, t], traj.next_latents[:, t], sigma, sigma_next,
                               traj.conditioning)
-        return out.log_prob, partial(self.loss_func, unit, kl)
+        # GRPO-Guard: the rollout's mean, kept in the trajectory (the policy may have moved since)
+        old_mean = None if traj.means is None else traj.means[:, t]
+        guard = guard_terms(self.ctx.sde, self.ctx.objective, out, old_mean, sigma, sigma_next)
+        return out.log_prob, partial(self.loss_func, unit, kl, guard)
 
-    def loss_func(self, unit: RecomputeUnit, kl: Optional[torch.Tensor], log_prob: torch.Tensor):
+    def loss_func(self, unit: RecomputeUnit, kl: Optional[torch.Tensor], guard: Optional[GuardTerms],
+                  log_prob: torch.Tensor):
         """(loss, num_tokens, reduced): the unit loss as megatron backpropagates it (see parallel/pipeline.py)."""
         train = unit.traj.selected[:, unit.t]
         loss, ratio = unit_loss(log_prob, unit.traj.log_probs[:, unit.t], unit.advantages, train, self.weight,
-                                self.ctx.objective, kl)
-        self.stats.add(ratio, loss)
+                                self.ctx.objective, kl, guard)
+        self.stats.add(ratio, loss, step=unit.t)
         return loss_triple(loss)

@@ -36,8 +36,8 @@ import torch
 from leangrpo_mcore.diffusion.sampler import StepRecord
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.parallel.pipeline import loss_triple, run_micro_batches
-from leangrpo_mcore.schedules.base import (GroupUpdate, Schedule, UnitKey, kl_value, pipelined, register_schedule,
-                                           unit_loss)
+from leangrpo_mcore.schedules.base import (GroupUpdate, GuardTerms, Schedule, UnitKey, guard_terms, kl_value,
+                                           pipelined, register_schedule, unit_loss)
 
 
 @dataclass
@@ -52,6 +52,10 @@ class _KeptUnit:
     """The step whose KL is still to be formed (pipeline stages: its reference forward joins the group's)."""
     conditioning: Optional[Conditioning] = None
     """The micro-batch's conditioning (with :attr:`step`)."""
+    t: int = -1
+    """The denoising step."""
+    guard: Optional[GuardTerms] = None
+    """GRPO-Guard's inputs (the kept mean with its graph), or None."""
 
 
 @dataclass
@@ -85,13 +89,16 @@ class RetainSchedule(Schedule):
         def keep(record: StepRecord) -> None:
             if not record.grad or not bool(record.train.any()):
                 return
+            # the kept forward is the rollout's: its own mean is μ_old
+            guard = guard_terms(self.ctx.sde, self.ctx.objective, record.sde, record.sde.mean.detach(), record.sigma,
+                                record.sigma_next)
             if self.ctx.objective.kl_beta > 0 and pipelined(self.ctx.velocity_fn) is not None:
                 kept.append(_KeptUnit(log_prob=record.sde.log_prob, kl=None, train=record.train, step=record,
-                                      conditioning=conditioning))
+                                      conditioning=conditioning, t=record.t, guard=guard))
                 return
             kl = self.step_kl(record.sde.mean, record.sde.std, record.latents, record.next_latents,
                               record.sigma, record.sigma_next, conditioning)
-            kept.append(_KeptUnit(log_prob=record.sde.log_prob, kl=kl, train=record.train))
+            kept.append(_KeptUnit(log_prob=record.sde.log_prob, kl=kl, train=record.train, t=record.t, guard=guard))
 
         return keep
 
@@ -129,6 +136,6 @@ class RetainSchedule(Schedule):
         """(loss, num_tokens, reduced): the unit loss at ρ ≡ 1 (see parallel/pipeline.py)."""
         unit = backward.unit
         loss, ratio = unit_loss(log_prob, log_prob.detach(), backward.advantages, unit.train, self.weight,
-                                self.ctx.objective, unit.kl)
-        self.stats.add(ratio, loss)
+                                self.ctx.objective, unit.kl, unit.guard)
+        self.stats.add(ratio, loss, step=unit.t)
         return loss_triple(loss)

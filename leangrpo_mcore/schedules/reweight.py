@@ -66,6 +66,7 @@ from leangrpo_mcore.schedules.base import (
     ScheduleContext,
     UnitKey,
     UpdateStats,
+    guard_terms,
     kl_unit_loss,
     kl_value,
     pipelined,
@@ -282,7 +283,7 @@ class ReweightSchedule(Schedule):
                 only = torch.zeros_like(train)
                 only[row] = True
                 sample = (*key, row if record.row is None else record.row)
-                self._backward_into(self._partial, sample, self._provisional(sample, log_prob, only), n < len(rows) - 1)
+                self._backward_into(self._partial, sample, self._provisional(sample, record, only), n < len(rows) - 1)
             self._track_buffers()
 
         return backward_now
@@ -293,12 +294,17 @@ class ReweightSchedule(Schedule):
         self._kl_losses.setdefault(group, []).append(part.detach())
         return part
 
-    def _provisional(self, sample: tuple[int, int, int], log_prob: torch.Tensor, only: torch.Tensor) -> torch.Tensor:
-        """The unit-advantage loss of ``sample`` (its row ``only`` of a step), recorded for the group's loss."""
+    def _provisional(self, sample: tuple[int, int, int], record: StepRecord, only: torch.Tensor) -> torch.Tensor:
+        """The unit-advantage loss of ``sample`` (its row ``only`` of step ``record``), recorded for the group's loss.
+        On this first update ρ = 1: GRPO-Guard's RatioNorm then scales the gradient by the step's s and its
+        reweighting by the step's weight, constants of the step that the unit loss carries as Native's does."""
+        log_prob = record.sde.log_prob
+        guard = guard_terms(self.ctx.sde, self.ctx.objective, record.sde, record.sde.mean.detach(), record.sigma,
+                            record.sigma_next)
         loss, ratio = unit_loss(log_prob, log_prob.detach(), torch.ones_like(log_prob.detach()), only, self.weight,
-                                self.ctx.objective)
+                                self.ctx.objective, guard=guard)
         self._unit_loss[sample] = self._unit_loss.get(sample, 0.0) + loss.detach()
-        self.stats.add(ratio)
+        self.stats.add(ratio, step=record.t)
         return loss
 
     def train_rows(self, group: int, rows: list[TrainedRow]) -> list[torch.Tensor]:
@@ -319,7 +325,7 @@ class ReweightSchedule(Schedule):
             i, part = parts[k]
             record = rows[i].record(velocity)
             if part == "pg":
-                return self._provisional((group, rows[i].loop, rows[i].row), record.sde.log_prob, record.train)
+                return self._provisional((group, rows[i].loop, rows[i].row), record, record.train)
             ref_mean = sde.step(reference[i], record.latents, record.sigma, record.sigma_next,
                                 prev_sample=record.next_latents).mean
             kl = kl_value(sde, objective, record.sde.mean, ref_mean, record.sde.std, record.sigma, record.sigma_next)

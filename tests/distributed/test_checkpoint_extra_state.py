@@ -30,7 +30,7 @@ def _states(probes):
 
 def _round_trip(ctx, root, tp_rank):
     from leangrpo_mcore.engine import checkpoint as ck
-    from leangrpo_mcore.engine.run_dir import RunDir
+    from leangrpo_mcore.engine.output.run_dir import RunDir
     from leangrpo_mcore.parallel.fsdp import apply_fsdp
 
     model, layout, probes = _parts(seed=0, start=0.0)

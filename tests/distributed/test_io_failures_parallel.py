@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main as train_main
-from leangrpo_mcore.engine import checkpoint as ck
-from leangrpo_mcore.engine import ckpt_manifest
+from leangrpo_mcore.engine.checkpoint import manifest as ckpt_manifest
+from leangrpo_mcore.engine.checkpoint import save as ck
 from tests.distributed.launcher import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -31,12 +31,48 @@ def _main(argv: list[str]) -> tuple[int, list[str]]:
     return code, [line for line in stream.getvalue().splitlines() if line.startswith("error:") or "Traceback" in line]
 
 
+CONTROL = ("raise_if_any", "agreed", "poll", "agree_after_step")
+"""The functions that make the trainer's small per-step all-reduces (flags, not tensors of the model)."""
+
+
+@contextlib.contextmanager
+def _control_all_reduces():
+    """Count the all-reduces made from :data:`CONTROL` functions once the first step has begun, by caller."""
+    import sys
+
+    import torch.distributed as dist
+
+    from leangrpo_mcore.engine import trainer
+
+    counts: dict[str, int] = {}
+    began = []
+    real_all_reduce, real_step = dist.all_reduce, trainer.Trainer._train_step
+
+    def counting(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_name
+        if began and caller in CONTROL:
+            counts[caller] = counts.get(caller, 0) + 1
+        return real_all_reduce(*args, **kwargs)
+
+    def stepping(self, step):
+        began.append(step)
+        return real_step(self, step)
+
+    dist.all_reduce, trainer.Trainer._train_step = counting, stepping
+    try:
+        yield counts
+    finally:
+        dist.all_reduce, trainer.Trainer._train_step = real_all_reduce, real_step
+
+
 def _ranks(rank, world_size, root):
     from PIL import Image
 
     torch.set_num_threads(1)
     common = ["--config", TINY_FLUX, "train.max_steps=4", "checkpoint.save_every=2"]
-    results = [_main([*common, f"train.output_dir={root}/async", "checkpoint.async_save=true"])]
+    with _control_all_reduces() as counts:
+        results = [_main([*common, f"train.output_dir={root}/async", "checkpoint.async_save=true"])]
+    results.append(counts)
     real_dcp_save = ck._dcp_save
 
     def full_disk(state, folder, group):
@@ -64,8 +100,11 @@ def _ranks(rank, world_size, root):
 
 def test_world2_background_saves_and_write_failures_stop_every_rank(tmp_path):
     results = run_ranks(_ranks, 2, str(tmp_path), timeout=300)
-    for rank, (done, async_full, png_full) in enumerate(results):
+    for rank, (done, counts, async_full, png_full) in enumerate(results):
         assert done == (0, []), (rank, done)
+        # per step one all-reduce for the reward's error flag and one for the signal, the failed-write flag and
+        # the background write together (not one each)
+        assert counts == {"raise_if_any": 4, "agree_after_step": 4}, (rank, counts)
         assert async_full[0] == 2 and png_full[0] == 2, (rank, async_full, png_full)
         if rank == 0:  # the job's one line (rank 0 in this harness, which has no torchrun store)
             assert len(async_full[1]) == 1 and async_full[1][0].endswith(f"/dcp/__0_0.distcp: {ENOSPC}")

@@ -34,6 +34,8 @@ WAN = Case(family="wan", lora=True, kl_beta=20.0, global_std=True)
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
 TINY_SD3 = str(ROOT / "yaml_configs" / "tiny" / "sd3.yaml")  # CFG with the negative prompt, dual attention
+# true CFG, masked text trimmed per step, the last block's idle text MLP (no gradient) in the checkpoint
+TINY_QWEN = str(ROOT / "yaml_configs" / "tiny" / "qwen_image.yaml")
 COMMON = ("reward.name=tests.unit.test_precision:contrast", "checkpoint.save_every=2", "train.max_steps=3",
           "logging.progress_bar=false", "logging.tensorboard=false", "schedule.name=retain")
 
@@ -195,7 +197,7 @@ def _flat(tensors: dict) -> torch.Tensor:
     return torch.cat([tensors[k].double().flatten() for k in sorted(tensors)])
 
 
-@pytest.mark.parametrize("config", [TINY_FLUX, TINY_SD3], ids=["flux", "sd3"])
+@pytest.mark.parametrize("config", [TINY_FLUX, TINY_SD3, TINY_QWEN], ids=["flux", "sd3", "qwen_image"])
 def test_pp2_checkpoint_resumes_at_pp1(tmp_path, config):
     from leangrpo_mcore.cli.train import main as train_main
 

@@ -32,8 +32,8 @@ def _measure(rank, world_size, cases=CASES, extra=()):
     from leangrpo_mcore.data.vae import latent_shape
     from leangrpo_mcore.engine import build
     from leangrpo_mcore.engine.launch import init_distributed
+    from leangrpo_mcore.engine.reward_bridge import RewardBridge
     from leangrpo_mcore.engine.step import StepInputs
-    from leangrpo_mcore.engine.trainer import RewardBridge
     from leangrpo_mcore.planner.layout import predict_memory
     from leangrpo_mcore.parallel.memory import MemoryMeter
     from leangrpo_mcore.parallel.mesh import destroy_parallel_context

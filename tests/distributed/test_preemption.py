@@ -93,3 +93,34 @@ def test_a_stalled_rank_is_named_in_one_line_by_the_watchdog(tmp_path):
     assert "train.step_timeout_minutes=0.25); stopping the job" in errors[0]
     assert code == 1 and re.search(r"exitcode\s*: 124 ", output), output  # torchrun's summary of the ranks
     assert elapsed < 150, elapsed  # the timeout is 15 s; torchrun's start-up is the rest
+
+
+def stall_on_rank_1_noting_when(images, prompts):
+    """:func:`stall_on_rank_1`, writing the monotonic time the stall began to ``$STALL_BEGAN`` first."""
+    if os.environ.get("RANK") == "1":
+        Path(os.environ["STALL_BEGAN"]).write_text(repr(time.monotonic()))
+    return stall_on_rank_1(images, prompts)
+
+
+def test_a_stalled_rank_exits_on_torchruns_sigterm_within_seconds(tmp_path):
+    """No step watchdog: rank 0's collective times out (parallel.timeout_minutes=0.1, 6 s) and torchrun signals
+    rank 1 with SIGTERM, which its preemption handler would keep for a save it can never reach. Rank 1 has been in
+    its phase longer than the collective timeout, so it exits at once: the job ends seconds after the timeout, not
+    after torchrun's shutdown timeout (100 s here) and a SIGKILL."""
+    began = tmp_path / "stall_began"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--shutdown-timeout", "100",
+           "-m", "leangrpo_mcore.train", "--config", TINY_FLUX, f"train.output_dir={tmp_path / 'run'}", *ARGS,
+           f"reward.name={__name__}:stall_on_rank_1_noting_when", "parallel.timeout_minutes=0.1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                                 "STALL_BEGAN": str(began)})
+    code, output = _finish(proc, timeout=300)
+    ended = time.monotonic()
+    stalled_for = ended - float(began.read_text())
+    assert re.search(r"SIGTERM reached rank 1 stalled in rollout and update of step 1 for \d+ s, longer than "
+                     r"parallel\.timeout_minutes=0\.1: its peers have given up on it", output), output
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "parallel.timeout_minutes=0.1" in errors[0], output  # rank 0's timeout line
+    assert code == 1 and re.search(r"exitcode\s*: 143 ", output), output  # rank 1 exited itself, not SIGKILLed
+    assert stalled_for < 50, (stalled_for, output[-3000:])  # 6 s of timeout, then seconds; 100+ s when ignored

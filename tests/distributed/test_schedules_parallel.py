@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_ranks
-from tests.unit.test_schedules_parity import KONTEXT, MIX_FLASH, Case, bitwise, check_parity, rel_l2, run_case
+from tests.unit.test_schedules_parity import GUARD, KONTEXT, MIX_FLASH, Case, bitwise, check_parity, rel_l2, run_case
 
 pytestmark = pytest.mark.distributed
 
@@ -53,6 +53,7 @@ def _all_configurations(rank: int, world_size: int) -> dict:
                 auto_reweight=GATHERED.but(schedule="reweight"))
     for schedule in ("native", "retain", "reweight"):  # a shared window: Reweight may reshard
         runs[f"mix_{schedule}"] = MIX_FLASH.but(schedule=schedule, reshard=True, sync="coalesced")
+        runs[f"guard_{schedule}"] = GUARD.but(schedule=schedule, sync="coalesced")
     out = {name: run_case(case) for name, case in runs.items()}
     try:
         run_case(GATHERED.but(schedule="reweight", reshard=True))
@@ -73,7 +74,7 @@ def results():
     torch.set_num_threads(1)  # the ranks run single-threaded kernels; so must the reference
     try:
         reference = {"flux": run_case(FLUX), "wan": run_case(WAN_LORA_KL), "sd3": run_case(SD3_CFG_LORA_KL),
-                     "mix": run_case(MIX_FLASH), "kontext": run_case(KONTEXT)}
+                     "mix": run_case(MIX_FLASH), "kontext": run_case(KONTEXT), "guard": run_case(GUARD)}
     finally:
         torch.set_num_threads(threads)
     return ranks, reference
@@ -102,6 +103,18 @@ def test_progressive_window_dpmpp_2m_compressed(results):
         check_parity(out["mix_native"], out["mix_retain"], out["mix_reweight"])
         assert np.array_equal(out["mix_native"].rewards, reference["mix"].rewards)
         assert rel_l2(reference["mix"].grads[0], out["mix_native"].grads[0]) < 1e-6
+
+
+def test_grpo_guard_two_updates(results):
+    """GRPO-Guard under FSDP2 (shared layout): the schedules agree on both updates (the second off-policy), and with
+    the single process."""
+    ranks, reference = results
+    for out in ranks:
+        check_parity(out["guard_native"], out["guard_retain"], out["guard_reweight"], tol=2e-6)
+        assert np.array_equal(out["guard_native"].rewards, reference["guard"].rewards)
+        assert len(out["guard_native"].grads) == 2
+        for ours, single in zip(out["guard_native"].grads, reference["guard"].grads):
+            assert rel_l2(single, ours) < 1e-6
 
 
 def test_parameters_kept_gathered_through_the_step(results):

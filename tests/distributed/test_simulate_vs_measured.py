@@ -49,7 +49,7 @@ def _measure(rank, world_size):
         parts = build.build_policy_parts(cfg, pctx, build.precision_of(cfg, pctx))
         engine = build.build_engine(cfg, schedule, parts, pctx, _fixed_rewards)
         engine.measure_memory = True
-        cond = _conditioning(cfg, parts.policy.config.to_diffusers_config(), "flux", 1)
+        cond = _conditioning(cfg, parts.policy.config.to_diffusers_config(), "flux", 1, engine.plan.latent_shape)
         for step in range(2):
             result = engine.step(StepInputs(step=step, conditioning=cond, prompt_ids=torch.arange(1)))
         peaks[label] = result.peak_memory_bytes

@@ -123,12 +123,12 @@ def flux_world2(tmp_path_factory):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    return run, done.stdout
+    return run, done.stdout, done.stderr
 
 
 def test_flux_world2_under_torchrun_matches_world1(flux_world1, flux_world2):
     _, reference = flux_world1
-    run, stdout = flux_world2
+    run, stdout, _ = flux_world2
     assert "finished 3 / 3 steps (reweight schedule, world size 2)" in stdout
     assert stdout.count("finished") == 1  # the summary comes from rank 0 only
     _check_run_dir(run, 3)
@@ -153,6 +153,15 @@ def _close_weights(a: Path, b: Path, rtol: float, atol: float = 1e-6) -> None:
     assert mine.keys() == ref.keys()
     for name in ref:
         assert torch.allclose(mine[name], ref[name], rtol=rtol, atol=atol), name
+
+
+def test_torchrun_log_has_no_library_noise(flux_world2):
+    """The first lines a user sees: no FSDP2 warning about a view output, no megatron-core fallback notice."""
+    _, stdout, stderr = flux_world2
+    log = stdout + stderr
+    assert "[leangrpo 0] saved checkpoint" in log  # the log is the run's
+    for noise in ("returned a view tensor", "Apex is not installed", "UserWarning"):
+        assert noise not in log, noise
 
 
 def test_fsdp_world2_checkpoint_resumes_at_world1(flux_world1, flux_world2, tmp_path, capsys):

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from leangrpo_mcore.engine import ckpt_manifest as manifest
+from leangrpo_mcore.engine.checkpoint import manifest
 from tests.distributed.launcher import run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -29,7 +29,7 @@ def _make(path: str, seed: int) -> None:
 
 def _on_rank(rank: int, world: int, root: str) -> dict:
     from leangrpo_mcore.engine import checkpoint
-    from leangrpo_mcore.engine.run_dir import RunDir
+    from leangrpo_mcore.engine.output.run_dir import RunDir
     from leangrpo_mcore.errors import UserError
 
     read = []

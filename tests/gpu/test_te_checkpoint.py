@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.engine import checkpoint as ck
-from leangrpo_mcore.engine.extra_state import extra_states
-from leangrpo_mcore.engine.run_dir import RunDir
+from leangrpo_mcore.engine.checkpoint.extra_state import extra_states
+from leangrpo_mcore.engine.output.run_dir import RunDir
 from leangrpo_mcore.models import build_policy
 from leangrpo_mcore.models.backends import te_available
 from leangrpo_mcore.models.common.fp8 import FP8Contexts, fp8_config

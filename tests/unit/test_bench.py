@@ -249,7 +249,12 @@ def test_one_warmup_one_step_run_is_consistent(tmp_path, capsys):
     assert ideal["forward_s"] == pytest.approx(forward)
     assert ideal["ratio"] == pytest.approx(ideal_ratio(t, s, ideal["forward_s"], ideal["backward_s"]))
     assert 1.0 < ideal["ratio"] < 1.0 + t / s
+    assert shape["rollout_steps"] == t
     for name, entry in schedules.items():
+        # The planner's prediction of the label's step, on the CPU rates, with the rollout's forwards.
+        predicted = entry["predicted"]
+        assert predicted["hardware"] == "cpu" and predicted["rollout_forwards"] == t
+        assert predicted["step_time_s"] == pytest.approx(sum(predicted["terms_s"].values())) and predicted["step_time_s"] > 0
         # The planner's FLOP count of the step counts the forwards the step ran, by kind.
         rate = entry["throughput"]
         assert {k: v for k, v in rate["passes_per_rank"].items() if k != "backward"} == rows[name]
@@ -266,3 +271,22 @@ def test_one_warmup_one_step_run_is_consistent(tmp_path, capsys):
     with Image.open(tmp_path / "bench.png") as image:
         assert image.format == "PNG" and image.width > 300 and image.height > 300
     assert math.isfinite(ideal["backward_s"]) and ideal["backward_s"] > 0
+
+
+def test_a_compressed_rollout_is_benched_and_predicted_with_its_forwards(tmp_path):
+    """MixGRPO-Flash's sampler (a fixed window at step 1 of 6, Euler before it, 2M over a 0.4 tail after it): the
+    rollout runs T' = 3 forwards, and the shape, the ideal ratio, the FLOP count and the prediction count them."""
+    out = tmp_path / "mix.json"
+    assert main(["--config", SMOKE, "--schedules", "retain", "--no-baselines", "--no-memory", "--steps", "1",
+                 "--warmup", "0", "--json", str(out), "sampler.num_steps=6", "sampler.sde_window_size=1",
+                 "sampler.sde_window_range=[1, 2]", "sampler.sde_window_schedule=fixed", "sampler.ode_solver=dpmpp_2m",
+                 "sampler.ode_solver_before_window=euler", "sampler.ode_steps_after_window=0.4",
+                 "grpo.timestep_selection=sde_window", "grpo.timestep_fraction=1.0"]) == 0
+    run = json.loads(out.read_text())["runs"][0]
+    entry, n = run["schedules"]["retain"], run["shape"]["samples_per_rank"]
+    assert (run["shape"]["num_steps"], run["shape"]["rollout_steps"]) == (6, 3)  # 2 steps to the window's end, 1 after
+    assert entry["steps"][0]["forward_rows"] == {"nograd": n * 2, "rollout_grad": n, "recompute": 0, "reference": 0}
+    assert entry["throughput"]["passes_per_rank"]["nograd"] == n * 2
+    assert entry["predicted"]["rollout_forwards"] == 3
+    forward, backward = run["ideal"]["forward_s"], run["ideal"]["backward_s"]
+    assert run["ideal"]["ratio"] == pytest.approx(ideal_ratio(3, 1, forward, backward))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from leangrpo_mcore.engine import checkpoint as ck
-from leangrpo_mcore.engine.run_dir import RunDir
+from leangrpo_mcore.engine.output.run_dir import RunDir
 from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.models import build_policy
 from leangrpo_mcore.models.common.checkpoint import read_policy_checkpoint

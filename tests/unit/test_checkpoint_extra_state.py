@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.engine import checkpoint as ck
-from leangrpo_mcore.engine import extra_state
-from leangrpo_mcore.engine.run_dir import RunDir
+from leangrpo_mcore.engine.checkpoint import extra_state
+from leangrpo_mcore.engine.output.run_dir import RunDir
 from leangrpo_mcore.models import build_policy
 from tests.extra_state_probe import ExtraStateProbe, attach_probes, same_state, tiny_flux_inputs
 

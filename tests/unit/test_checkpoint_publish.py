@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.engine import checkpoint as ck
-from leangrpo_mcore.engine import run_dir as rd
+from leangrpo_mcore.engine.checkpoint import save as ck_save
+from leangrpo_mcore.engine.output import run_dir as rd
 from leangrpo_mcore.errors import UserError
 from tests.ckpt_helpers import model_tensors
 from tests.unit.test_checkpoint import _save, _sgd_like_step, _train_state
@@ -61,7 +62,7 @@ def test_failed_background_write_is_one_line_at_the_next_poll(tmp_path, monkeypa
     def full_disk(state, folder, group):
         raise OSError(errno.ENOSPC, "No space left on device", os.path.join(folder, "__0_0.distcp"))
 
-    monkeypatch.setattr(ck, "_dcp_save", full_disk)
+    monkeypatch.setattr(ck_save, "_dcp_save", full_disk)
     pending = ck.save_checkpoint(run, 2, model=model, optimizer=optimizer, lr_scheduler=scheduler, ema=None,
                                  layout=layout, state={"sampler": {}}, config_yaml="", async_save=True)
     _wait(pending)

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from leangrpo_mcore.engine import ckpt_manifest as manifest
+from leangrpo_mcore.engine.checkpoint import manifest
 
 
 def test_crc32_combine_matches_zlib_over_the_concatenation():

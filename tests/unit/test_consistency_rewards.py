@@ -94,8 +94,8 @@ def test_the_reward_bridge_hands_each_sample_its_source_in_the_foreground_and_th
     component, the same through ``submit`` (reward.async_scoring), and each captured sample keeps its source."""
     from leangrpo_mcore.data.prompts import PromptDataset
     from leangrpo_mcore.data.vae import build_vae
-    from leangrpo_mcore.engine.samples import to_uint8
-    from leangrpo_mcore.engine.trainer import RewardBridge
+    from leangrpo_mcore.engine.output.samples import to_uint8
+    from leangrpo_mcore.engine.reward_bridge import RewardBridge
 
     options = {"clip_consistency": {"path": clip_dir}, "clip_score": {"path": clip_dir}}
     config = load_config("yaml_configs/flux_kontext/tiny_edit.yaml",

@@ -45,6 +45,12 @@ NOT_RUN = {
     'pip install -q -e ".[test,ocr,wandb]"': (SETUP, "installs the package with the test extras"),
     "python -m pytest -q -n 2 --dist loadgroup": (SETUP, "the whole suite, of which this test is part (.ci/run)"),
     'python -m pytest -q -m "not slow" -n 2': (SETUP, "the quick tier, of which this test is part"),
+    # the current stack's environment (docs/testing.md), which .ci/run makes and tests
+    "python3.12 -m venv .venv-current": (SETUP, "creates the current stack's environment (.ci/run)"),
+    ". .venv-current/bin/activate": (SETUP, "activates that environment"),
+    "pip install -q -r .ci/current-stack.txt": (SETUP, "installs torch's CUDA build and megatron-core 0.19.2"),
+    'pip install -q -c .ci/current-stack.txt -e ".[test,ocr,wandb]"': (SETUP, "installs the package there"),
+    "python -m pytest -q -m stack -n 2 --dist loadgroup": (SETUP, "the current stack's tests (.ci/run)"),
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": (
         GPU, "the CUDA build of torch, for a GPU machine"),
     'pip install -e ".[te,rewards,video,wandb]"': (GPU, "Transformer Engine builds only against CUDA"),
@@ -93,6 +99,8 @@ NOT_RUN = {
     "--dst ckpt/sd35m-mcore": (WEIGHTS, "SD3.5 Medium's transformer"),
     "leangrpo-convert diffusers-to-mcore --model wan --src /models/Wan2.2-T2V-A14B-Diffusers "
     "--dst ckpt/wan22-a14b-mcore": (WEIGHTS, "Wan2.2-T2V-A14B's pipeline (both experts)"),
+    "leangrpo-convert diffusers-to-mcore --model qwen_image --src /models/Qwen-Image/transformer "
+    "--dst ckpt/qwen-image-mcore": (WEIGHTS, "Qwen-Image's transformer"),
     'huggingface-cli download black-forest-labs/FLUX.1-Kontext-dev --local-dir models/FLUX.1-Kontext-dev --exclude '
     '"flux1-kontext-dev.safetensors" "ae.safetensors"': (WEIGHTS, "downloads FLUX.1-Kontext-dev (about 34 GB)"),
     "huggingface-cli download openai/clip-vit-large-patch14 --local-dir models/clip-vit-large-patch14": (
@@ -123,7 +131,8 @@ NOT_RUN = {
     "--frames 49 --num-steps 16 --selected-steps 16 --group-size 8 --simulate all --json": (
         TOO_LONG, "three full-scale simulations, up to 4 minutes each"),
     "leangrpo-plan --config yaml_configs/flux_dev/flowgrpo_lora.yaml --gpus-per-node 8 --gpu-mem-gb 48 --simulate": (
-        TOO_LONG, "a full-scale simulation of FLUX.1-dev, 1 to 2 minutes"),
+        TOO_LONG, "a full-scale simulation of about 2 minutes; every preset simulates without weights at tiny sizes "
+                  "in tests/unit/test_plan_without_weights.py"),
     "leangrpo-plan --model wan2.2-t2v-a14b --gpus-per-node 8 --gpu-mem-gb 80 --resolution 480x832 --frames 33 "
     "--num-steps 16 --selected-steps 16 --group-size 8 --simulate all --json": (
         TOO_LONG, "three full-scale simulations of two experts, 2 to 3 minutes each"),

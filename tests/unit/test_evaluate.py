@@ -18,7 +18,7 @@ from leangrpo_mcore.engine import build
 from leangrpo_mcore.engine.eval_run import evaluate_model
 from leangrpo_mcore.engine.evaluate import reward_summary
 from leangrpo_mcore.engine.launch import init_distributed, shutdown
-from leangrpo_mcore.engine.run_dir import RunDir, prepare
+from leangrpo_mcore.engine.output.run_dir import RunDir, prepare
 from leangrpo_mcore.parallel.mesh import destroy_parallel_context
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 
@@ -52,8 +52,18 @@ def test_reward_summary_is_the_formula():
     assert stats["std"] == pytest.approx(((4 + 0 + 1 + 9) / 4) ** 0.5)
 
 
+def _flow_grpo_step(x, v, sigma, sigma_next, sigma_1, noise_level, noise):
+    """FlowGRPO's SDE step, written out in float32: std_t = a sqrt(s / (1 - s~)) (s~ = the schedule's sigma_1 where
+    s = 1), mean x (1 + std_t^2 dt / 2s) + v dt (1 + std_t^2 (1 - s) / 2s), plus std_t sqrt(-dt) noise."""
+    dt = sigma_next - sigma
+    std_t = noise_level * torch.sqrt(sigma / (1 - (sigma_1 if float(sigma) == 1.0 else sigma)))
+    mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+    return mean + std_t * torch.sqrt(-dt) * noise
+
+
 def _reference_rewards(config) -> list[list[float]]:
-    """The eval rewards computed here: the tiny policy's velocity stepped by x + v (s' - s), written out."""
+    """The eval rewards computed here: the tiny policy's velocity stepped by x + v (s' - s), written out (with
+    ``eval.noise_level`` > 0 FlowGRPO's SDE step with the noise of step t drawn from (eval.seed, i, j, t))."""
     dist_ctx = init_distributed()
     try:
         pctx = build.build_context(config, dist_ctx)
@@ -74,7 +84,13 @@ def _reference_rewards(config) -> list[list[float]]:
                 with torch.no_grad():
                     for t in range(sigmas.numel() - 1):
                         v = velocity(x, sigmas[t].expand(1), cond)
-                        x = x + v * (sigmas[t + 1] - sigmas[t])
+                        if config.eval.noise_level == 0:
+                            x = x + v * (sigmas[t + 1] - sigmas[t])
+                            continue
+                        seed = derive_seed(7, "eval_noise", 1, i, j, t)
+                        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).unsqueeze(0)
+                        x = _flow_grpo_step(x, v.float(), sigmas[t], sigmas[t + 1], sigmas[1],
+                                            config.eval.noise_level, noise)
                     images = decoder.decode(x, height=config.sampler.height, width=config.sampler.width).images
                 row.append(float(images.mean()))
             out.append(row)
@@ -96,6 +112,35 @@ def test_eval_rollout_is_the_euler_ode_of_the_policy():
     # more steps is a different rollout: the step count reaches the sampler
     more = evaluate_model(load_config(TINY_FLUX, [*EVAL, "eval.num_steps=5"]))
     assert more.rewards["mean_intensity_for_eval_tests"]["mean"] != pytest.approx(stats["mean"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_sde_evaluation_draws_every_step_from_its_own_seed_as_the_rollout_written_here(monkeypatch):
+    """eval.noise_level > 0: the SDE noise of step t of eval sample (i, j) is drawn from (eval.seed, i, j, t), for
+    every prompt, sample and step, no seed twice; and the evaluation equals FlowGRPO's SDE rollout written here."""
+    from leangrpo_mcore.diffusion import sampler
+
+    config = load_config(TINY_FLUX, [*EVAL, "eval.noise_level=0.7"])
+    drawn: dict[int, list[int]] = {}
+    real_step_noise = sampler.step_noise
+
+    def recording(noise_seeds, t, rows, shape):
+        drawn.setdefault(t, []).extend(noise_seeds[list(rows), t].tolist())
+        return real_step_noise(noise_seeds, t, rows, shape)
+
+    monkeypatch.setattr(sampler, "step_noise", recording)
+    result = evaluate_model(config)
+    steps = config.eval.num_steps or config.sampler.num_steps
+    assert sorted(drawn) == list(range(steps))
+    for t in range(steps):
+        expected = [derive_seed(7, "eval_noise", 1, i, j, t) for i in range(3) for j in range(2)]
+        assert sorted(drawn[t]) == sorted(expected), t
+    every = [seed for t in range(steps) for seed in drawn[t]]
+    assert len(set(every)) == len(every) == 3 * 2 * steps
+    reference = np.array(_reference_rewards(config))
+    stats = result.rewards["mean_intensity_for_eval_tests"]
+    np.testing.assert_allclose(stats["per_prompt"], reference.mean(axis=1), rtol=1e-5)
+    assert (stats["min"], stats["max"]) == pytest.approx((reference.min(), reference.max()), rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +209,45 @@ def test_resume_drops_eval_rows_past_the_checkpoint(tmp_path):
     Path(run.eval_path).write_text("".join(json.dumps({"step": s, "rewards": {}}) + "\n" for s in (0, 2, 4, 6)))
     prepare(run, "x: 1\n", resume_step=4)
     assert [json.loads(line)["step"] for line in Path(run.eval_path).read_text().splitlines()] == [0, 2, 4]
+
+
+_FAIL_EVAL_AT_CALL: list[int] = []
+"""The call of ``failing_eval_reward_for_tests`` that raises (a server that went away mid-run), if any."""
+_EVAL_CALLS: list[int] = []
+
+if "failing_eval_reward_for_tests" not in REWARDS:
+    @register_reward("failing_eval_reward_for_tests")
+    def _failing_mean_intensity(images, prompts):
+        """Mean pixel intensity; raises at the call named by ``_FAIL_EVAL_AT_CALL``."""
+        _EVAL_CALLS.append(1)
+        if _FAIL_EVAL_AT_CALL and len(_EVAL_CALLS) == _FAIL_EVAL_AT_CALL[0]:
+            raise RuntimeError("the scoring service went away")
+        return images.mean(dim=(1, 2, 3))
+
+
+@pytest.mark.slow
+def test_a_failed_evaluation_is_redone_on_resume(tmp_path, capsys):
+    """The evaluation after step 2 fails (its checkpoint is saved): the run stops in one line, and the resumed run
+    evaluates step 2 before step 3, so eval.jsonl has a row for every evaluated step."""
+    torch.set_num_threads(1)
+    run = tmp_path / "run"
+    common = ["--config", TINY_FLUX, f"train.output_dir={run}", "checkpoint.save_every=1", "eval.every=1",
+              "eval.num_prompts=1", "eval.samples_per_prompt=1", "eval.rewards=[{name: failing_eval_reward_for_tests}]",
+              "logging.tensorboard=false", "logging.progress_bar=false"]
+    _EVAL_CALLS.clear()
+    _FAIL_EVAL_AT_CALL[:] = [2]  # one sample per evaluation: the second call is the evaluation of step 2
+    try:
+        assert train_main([*common, "train.max_steps=3"]) == 2
+        err = capsys.readouterr().err
+        assert "the scoring service went away" in err and "Traceback" not in err
+    finally:
+        _FAIL_EVAL_AT_CALL.clear()
+    assert [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()] == [1]
+    assert (run / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    assert train_main([*common, "train.max_steps=3", "checkpoint.resume=auto"]) == 0
+    assert [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()] == [1, 2, 3]
+    metrics = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert metrics == [1, 2, 3]  # the redone evaluation trains nothing twice
 
 
 def test_eval_prompts_are_the_test_split_of_a_dataset_directory(tmp_path):

@@ -23,6 +23,11 @@ PLANNER = f"{PACKAGE}.planner"
 PLANNER_USERS = (f"{PACKAGE}.cli.plan", f"{PACKAGE}.cli.bench", f"{PACKAGE}.bench")
 RUNTIME_ENTRY = f"{PACKAGE}.engine.build"
 RUNTIME_ENTRIES = (RUNTIME_ENTRY, f"{PACKAGE}.engine.throughput")
+ENGINE = f"{PACKAGE}.engine"
+# engine/'s rooms: the step engine sees only itself and the optimizer helpers; checkpointing, run control and the
+# run's outputs see only each other and the process helpers (launch). The run loop (trainer) uses them all.
+STEP_ROOM = (f"{ENGINE}.step", f"{ENGINE}.optim")
+SERVICE_ROOMS = (f"{ENGINE}.checkpoint", f"{ENGINE}.control", f"{ENGINE}.output", f"{ENGINE}.launch")
 
 
 def _modules(root: Path) -> dict[str, tuple[Path, bool]]:
@@ -127,15 +132,45 @@ def test_only_entry_points_import_the_planner():
         assert users.get(entry, {PLANNER}) == {PLANNER}, users[entry]
 
 
+def _in(module: str, rooms: tuple[str, ...]) -> bool:
+    return any(module == room or module.startswith(room + ".") for room in rooms)
+
+
+def test_engine_rooms_point_from_the_run_loop():
+    graph = import_graph()
+    # Only the train entry point imports the run loop (the reward bridge, the guards and the error helpers live
+    # in rooms of their own, so the bench and the GPU check need nothing from it).
+    assert {m for m, targets in graph.items() if f"{ENGINE}.trainer" in targets} == {f"{PACKAGE}.cli.train"}
+    wrong = {}
+    for module, targets in graph.items():
+        inner = {t for t in targets if t.startswith(ENGINE + ".")}
+        if _in(module, STEP_ROOM[:1]):
+            wrong[module] = {t for t in inner if not _in(t, STEP_ROOM)}
+        elif _in(module, SERVICE_ROOMS):
+            wrong[module] = {t for t in inner if not _in(t, SERVICE_ROOMS)}
+    wrong = {m: sorted(t) for m, t in wrong.items() if t}
+    assert not wrong, f"engine rooms importing against the direction: {wrong}"
+    assert f"{ENGINE}.checkpoint.save" in graph[f"{ENGINE}.checkpoint"]  # the rooms were found
+
+
+HEAVY = ("torch._dynamo", "torch._inductor", "wandb")
+"""What importing megatron-core would load, but a run's start-up does not need (``mcore_import.py``)."""
+
+
 def test_runtime_imports_load_no_planner_module():
     runtime = [f"{PACKAGE}.parallel", f"{PACKAGE}.engine.trainer", f"{PACKAGE}.train"]
     code = (f"import importlib, pkgutil, sys, {PACKAGE}.parallel as par\n"
             f"for name in {runtime!r} + [m.name for m in pkgutil.iter_modules(par.__path__, par.__name__ + '.')]:\n"
             "    importlib.import_module(name)\n"
             f"print(sorted(m for m in sys.modules if m == {PLANNER!r} or m.startswith({PLANNER + '.'!r})))\n"
-            "print(sorted(m for m in sys.modules if m.startswith('nvidia')))\n")
+            "print(sorted(m for m in sys.modules if m.startswith('nvidia')))\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+            "import megatron.core.jit as jit, leangrpo_mcore.mcore_import as lean, wandb\n"
+            "print(jit.jit_fuser is lean.deferred_compile)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    planner, dali = out.stdout.strip().splitlines()
+    planner, dali, heavy, deferred = out.stdout.strip().splitlines()
     assert planner == "[]", f"the runtime imported planner modules: {planner}"
     assert dali == "[]", f"a run without conditioning images imported DALI: {dali}"  # data/images.py loads it lazily
+    # megatron-core came in without torch's compiler and wandb (mcore_import), and wandb still imports after it
+    assert heavy == "[]" and deferred == "True", (heavy, deferred)

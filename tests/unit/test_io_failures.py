@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main
-from leangrpo_mcore.engine import checkpoint as ck
-from leangrpo_mcore.engine import ckpt_manifest, metrics
+from leangrpo_mcore.engine.checkpoint import manifest as ckpt_manifest
+from leangrpo_mcore.engine.checkpoint import save as ck
+from leangrpo_mcore.engine.output import metrics
 from leangrpo_mcore.errors import UserError
 from tests.cli_helpers import run_cli
 

@@ -27,9 +27,10 @@ DIFFUSERS_COUNTS = {"flux-dev": 11_901_408_320, "wan2.1-1.3b": 1_418_996_800, "w
                     "wan2.2-t2v-a14b": 14_288_491_584, "wan2.1-i2v-14b": 16_394_878_784,
                     "wan2.2-i2v-a14b": 14_288_901_184,
                     "wan2.2-ti2v-5b": 4_999_787_712, "sd3.5-medium": 2_243_171_520, "sd3.5-large": 8_056_627_520,
-                    "flux-kontext-dev": 11_901_408_320}  # FLUX.1-Kontext-dev: FLUX.1-dev's transformer
+                    "flux-kontext-dev": 11_901_408_320,  # FLUX.1-Kontext-dev: FLUX.1-dev's transformer
+                    "qwen-image": 20_430_401_088}
 # (SD3.5-M's advertised 2.5B counts its 0.23B positional table, a buffer: not listed.)
-PUBLISHED = {"flux-dev": 12e9, "wan2.1-14b": 14e9, "wan2.2-ti2v-5b": 5e9, "sd3.5-large": 8.1e9}
+PUBLISHED = {"flux-dev": 12e9, "wan2.1-14b": 14e9, "wan2.2-ti2v-5b": 5e9, "sd3.5-large": 8.1e9, "qwen-image": 20e9}
 
 
 @pytest.mark.parametrize("name", sorted(BUILTIN_PRESETS))
@@ -54,7 +55,8 @@ def tiny_policies():
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for family, preset in (("flux", "flux-tiny"), ("wan", "tiny"), ("sd3", "sd3-tiny")):
+        for family, preset in (("flux", "flux-tiny"), ("wan", "tiny"), ("sd3", "sd3-tiny"),
+                               ("qwen_image", "qwen-image-tiny")):
             fam = get_family(family)
             model = build_policy({"family": family, "preset": preset}, backend="local")
             full = sum(p.numel() for p in model.parameters())
@@ -66,7 +68,7 @@ def tiny_policies():
     return out
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3", "wan"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "wan", "qwen_image"])
 def test_tiny_presets_match_built_policies_exactly(tiny_policies, family):
     fam, preset, full, split, lora = tiny_policies[family]
     arch = arch_from_config(family, fam.presets[preset])
@@ -87,7 +89,7 @@ def test_builtin_presets_agree_with_the_models_package(name):
     family = BUILTIN_PRESETS[name][0]
     ours, theirs = load_arch(name), arch_from_config(family, get_family(family).presets[name])
     assert param_counts(ours) == param_counts(theirs)
-    frames = 1 if family in ("flux", "sd3") else 81
+    frames = 1 if family in ("flux", "sd3", "qwen_image") else 81
     assert ours.tokens(704, 1280, frames) == theirs.tokens(704, 1280, frames)
 
 
@@ -138,13 +140,16 @@ def test_activation_fit_predicts_an_unseen_config(checkpointing, lora_rank, tp):
               {"image": 36, "text": 12}),
              ("wan", {"patch_size": [1, 2, 2], "num_attention_heads": 6, "attention_head_dim": 12, "in_channels": 4,
                       "out_channels": 4, "text_dim": 24, "freq_dim": 8, "ffn_dim": 80, "num_layers": 3,
-                      "rope_max_seq_len": 32}, {"image": 2 * 5 * 3, "text": 12})]
+                      "rope_max_seq_len": 32}, {"image": 2 * 5 * 3, "text": 12}),
+             ("qwen_image", {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 4,
+                             "attention_head_dim": 12, "num_attention_heads": 6, "joint_attention_dim": 48,
+                             "axes_dims_rope": [4, 4, 4]}, {"image": 36, "text": 12})]
     with warnings.catch_warnings(), tool.tp_world(tp):
         warnings.simplefilter("ignore")
         for family, config, counts in cases:
             model = tool.build_case(family, config, torch.float32, checkpointing, lora_rank)
-            if family == "flux":
-                run = tool._flux_sample(config, counts["image"], counts["text"], torch.float32)
+            if family in tool.IMAGE_GRIDS:
+                run = tool.IMAGE_GRIDS[family][1](config, counts["image"], counts["text"], torch.float32)
             else:
                 run = tool._wan_sample(config, (2, 10, 6), counts["text"], torch.float32)
             measured = tool.measure_saved_bytes(model, lambda: run(model))

@@ -340,6 +340,66 @@ def test_missing_files_are_one_user_error_line(name, options, key, download):
     assert "\n" not in message and message.startswith(f"reward.options.{key}") and download in message
 
 
+def _truncated_clip_dir(tiny, tmp_path):
+    """A copy of the tiny CLIP directory whose ``model.safetensors`` lost its second half (an interrupted download)."""
+    import shutil
+
+    copy = tmp_path / "clip_truncated"
+    shutil.copytree(tiny["clip"], copy)
+    weights = copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    return copy
+
+
+def _garbage(path, payload=b"not a checkpoint " * 8):
+    path.write_bytes(payload)
+    return path
+
+
+@pytest.mark.parametrize("case", ["pickscore", "clip_score", "aesthetic_clip", "aesthetic_garbage_mlp",
+                                  "aesthetic_truncated_mlp", "aesthetic_tensorless_mlp", "hpsv2_truncated"])
+def test_damaged_weight_files_are_one_line_naming_the_file(tiny, tmp_path, case):
+    """A truncated weight file, or a garbage / wrong aesthetic head, is one UserError line naming that file."""
+    truncated = _truncated_clip_dir(tiny, tmp_path)
+    mlp = tiny["mlp"]
+    if case in ("pickscore", "clip_score"):
+        name, options, key, culprit = case, {"path": str(truncated)}, "path", truncated / "model.safetensors"
+    elif case == "aesthetic_clip":
+        name, options, key, culprit = "aesthetic", {"path": str(truncated), "mlp_path": mlp}, "path", \
+            truncated / "model.safetensors"
+    elif case == "hpsv2_truncated":
+        data = open(tiny["hps"], "rb").read()
+        culprit = tmp_path / "hps_truncated.pt"
+        culprit.write_bytes(data[:len(data) // 3])
+        name, options, key = "hpsv2", {"path": str(culprit), "processor_path": tiny["clip"]}, "path"
+    else:
+        culprit = tmp_path / "head.pth"
+        if case == "aesthetic_garbage_mlp":
+            _garbage(culprit)
+        elif case == "aesthetic_truncated_mlp":
+            data = open(mlp, "rb").read()
+            culprit.write_bytes(data[:len(data) // 2])
+        else:
+            torch.save({"layers.0.weight": "a string, not a tensor"}, culprit)
+        name, options, key = "aesthetic", {"path": tiny["clip"], "mlp_path": str(culprit)}, "mlp_path"
+    with pytest.raises(UserError) as error:
+        build_reward(name, **options)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"reward.options.{key}: "), message
+    assert str(culprit) in message, message
+    assert "Please file an issue" not in message  # torch's advice paragraph is reduced to its cause
+
+
+def test_aesthetic_head_wider_than_the_clip_projection_is_refused(tiny, tmp_path):
+    """A head for 768-wide ViT-L/14 embeddings on a CLIP that projects to 16 is refused at load, not at scoring."""
+    state = {key: value.clone() for key, value in tiny["mlp_state"].items()}
+    state["layers.0.weight"] = torch.zeros(state["layers.0.weight"].shape[0], 768)
+    torch.save(state, tmp_path / "wide.pth")
+    with pytest.raises(UserError, match=rf"^reward.options.mlp_path: .*wide.pth takes 768-wide embeddings.* {PROJ}$"):
+        build_reward("aesthetic", path=tiny["clip"], mlp_path=str(tmp_path / "wide.pth"))
+
+
 def test_bad_device_dtype_and_batch_size_options(tiny):
     for options, key in (({"dtype": "fp8"}, "dtype"), ({"batch_size": 0}, "batch_size"),
                          ({"device": "warp-drive"}, "device")):

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main
-from leangrpo_mcore.engine.preemption import exit_code
-from leangrpo_mcore.engine.run_lock import LOCK_NAME, RunLock, read_holder
-from leangrpo_mcore.engine.watchdog import EXIT_STEP_TIMEOUT, Phase, laggard
+from leangrpo_mcore.engine.control.lock import LOCK_NAME, RunLock, read_holder
+from leangrpo_mcore.engine.control.preemption import exit_code
+from leangrpo_mcore.engine.control.watchdog import EXIT_STEP_TIMEOUT, Phase, laggard
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -64,7 +64,7 @@ def test_a_lock_held_by_another_process_names_it(tmp_path, capsys):
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from leangrpo_mcore.engine.run_lock import RunLock
+        from leangrpo_mcore.engine.control.lock import RunLock
         lock = RunLock.acquire({str(run)!r})
         print("held", flush=True)
         time.sleep(60)
@@ -156,6 +156,46 @@ def test_the_slurm_example_requeues_on_preemption():
     assert "SIGUSR1" in args.signals_to_handle.split(",") and args.shutdown_timeout == 110 < 120
 
 
+_STUBS = {
+    # srun: drop its own options, run the job step's command
+    "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"',
+    "scontrol": 'if [[ "$1" == show ]]; then echo node-0; else echo "scontrol $*" >> "$STUB_LOG"; fi',
+    # the launcher: records its command line, then does what the case asks
+    "leangrpo-torchrun": 'echo "launcher $*" >> "$STUB_LOG"\n'
+                         'case "$STUB_CASE" in\n'
+                         '  bad) echo "error: every checkpoint of RUN is damaged" >&2; exit 2;;\n'
+                         '  preempted) echo \'{"step": 3}\' > "$LEANGRPO_PREEMPTED_MARKER"; exit 138;;\n'
+                         '  crash) exit 1;;\n'
+                         'esac',
+}
+
+
+@pytest.mark.parametrize("case,code,requeued", [("bad", 2, False), ("crash", 1, False), ("preempted", 0, True)])
+def test_the_slurm_example_requeues_a_preemption_save_and_nothing_else(tmp_path, case, code, requeued):
+    """The sbatch script under stand-ins for srun, scontrol and the launcher: it launches ``leangrpo-torchrun``
+    (not plain torchrun) with resume=auto before the user's overrides, requeues after a preemption save, and ends
+    with the launcher's exit code otherwise (a job stopped on a damaged run directory stays failed)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in _STUBS.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body + "\n")
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "STUB_LOG": str(log), "STUB_CASE": case,
+           "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "node-[0-1]", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_GPUS_ON_NODE": "8"}
+    done = subprocess.run(["bash", str(ROOT / "examples" / "train_slurm.sbatch"), "cfg.yaml",
+                           "checkpoint.resume=fresh_if_damaged"], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == code, done.stderr
+    calls = log.read_text().splitlines()
+    launcher = [c for c in calls if c.startswith("launcher ")]
+    assert len(launcher) == 1 and "--nnodes 2 --nproc-per-node 8" in launcher[0]
+    assert launcher[0].endswith("-m leangrpo_mcore.train --config cfg.yaml checkpoint.resume=auto "
+                                "checkpoint.resume=fresh_if_damaged")  # the user's override comes last: it wins
+    assert ("scontrol requeue 77" in calls) == requeued
+    assert not (tmp_path / ".leangrpo-preempted-77").exists()
+
+
 def test_resume_auto_without_a_checkpoint_starts_afresh_and_keeps_the_old_metrics(tmp_path, capsys):
     # What a launch killed before its first checkpoint leaves: metrics rows and no checkpoint.
     run = tmp_path / "run"
@@ -182,7 +222,7 @@ def test_laggard_is_the_rank_behind_every_other():
 def test_the_watchdog_ends_a_stalled_phase_with_one_line(tmp_path):
     script = textwrap.dedent("""
         import time
-        from leangrpo_mcore.engine.watchdog import StepWatchdog
+        from leangrpo_mcore.engine.control.watchdog import StepWatchdog
         dog = StepWatchdog(0.3, 0, 1, setting="train.step_timeout_minutes=0.005")
         dog.enter("reward", 7)
         time.sleep(30)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main
-from leangrpo_mcore.engine.metrics import ProgressBar, step_line
+from leangrpo_mcore.engine.output.metrics import ProgressBar, step_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")

@@ -162,10 +162,13 @@ def test_client_errors_are_not_retried_and_nan_is_caught():
         with pytest.raises(RewardError, match="refused the request: HTTP 400"):
             _remote(url, [], retries=3)(_images(), PROMPTS)
     assert calls == [400]
-    server = TOOL.make_server(0, handler=_reply_handler([(200, b'{"rewards": [1.0, NaN, 2.0]}')], []))
-    with _serving(server) as url:
-        with pytest.raises(RewardError, match="reward 'remote' returned 1 non-finite values"):
-            _remote(url, [], retries=0)(_images(), PROMPTS)
+    for body, bad in ((b'{"rewards": [1.0, NaN, 2.0]}', 1), (b'{"rewards": [Infinity, 1e39, 2.0]}', 2)):
+        server = TOOL.make_server(0, handler=_reply_handler([(200, body)], []))
+        with _serving(server) as url:
+            with pytest.raises(RewardError) as error:
+                _remote(url, [], retries=0)(_images(), PROMPTS)
+        assert str(error.value) == (f"reward server {url} returned {bad} non-finite values (NaN, inf or beyond "
+                                    "float32) among 3 rewards")
 
 
 def test_timeout_counts_as_a_failed_attempt():
@@ -363,7 +366,7 @@ def test_submit_future_carries_the_reward_checks():
     with _serving(server) as url:
         with RemoteReward(url, timeout_s=5.0, retries=0) as remote:
             future = remote.submit(_images(), PROMPTS)
-            with pytest.raises(RewardError, match="reward 'remote' returned 1 non-finite values"):
+            with pytest.raises(RewardError, match=f"^reward server {url} returned 1 non-finite values"):
                 future.result(timeout=10)
 
 

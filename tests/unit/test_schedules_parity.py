@@ -25,7 +25,7 @@ from leangrpo_mcore.diffusion.sampler import SDEParams
 from leangrpo_mcore.diffusion.selection import ExpertSteps
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
-from leangrpo_mcore.diffusion.velocity import FluxVelocity, SD3Velocity, WanVelocity
+from leangrpo_mcore.diffusion.velocity import FluxVelocity, QwenImageVelocity, SD3Velocity, WanVelocity
 from leangrpo_mcore.diffusion.window import SDEWindow
 from leangrpo_mcore.engine import StepEngine, StepInputs, StepPlan
 from leangrpo_mcore.parallel.fsdp import apply_fsdp
@@ -82,6 +82,10 @@ class Case:
     """sampler.ode_steps_after_window (0: no compression)."""
     step: int = 5
     """The training step number (seeds; a progressive window's position)."""
+    ratio_norm: bool = False
+    """grpo.ratio_norm (GRPO-Guard's RatioNorm)."""
+    grad_reweight: str = "none"
+    """grpo.grad_reweight (GRPO-Guard's per-step weight: none, flow_grpo, dancegrpo)."""
     reference: bool = False
     """A conditioning image per prompt (FLUX.1-Kontext: its tokens beside the generated ones in every forward)."""
     experts: Optional[str] = None
@@ -128,12 +132,14 @@ class Outcome:
 
 
 class RecordingSGD(torch.optim.SGD):
-    """SGD that records the full gradient it is given at every step."""
+    """SGD that records the full gradient it is given at every step (zeros for a parameter given none: Qwen-Image's
+    idle text MLP of the last block)."""
 
     recorded: list
 
     def step(self, closure=None):
-        grads = [_full(p.grad, p) for group in self.param_groups for p in group["params"]]
+        grads = [_full(torch.zeros_like(p) if p.grad is None else p.grad, p)
+                 for group in self.param_groups for p in group["params"]]
         self.recorded = getattr(self, "recorded", []) + [grads]
         return super().step(closure)
 
@@ -184,6 +190,15 @@ def _setup(case: Case, pp_rank: int = 0):
                             pooled_projections=torch.randn(p, 20, generator=gen),
                             negative_encoder_hidden_states=torch.randn(p, 5, 24, generator=gen),
                             negative_pooled_projections=torch.randn(p, 20, generator=gen))
+    elif case.family == "qwen_image":
+        # true CFG 4 against a negative prompt; prompts of 6 and 4 real tokens, the negative of 2: padding masked
+        velocity = QwenImageVelocity(policy, latent_height=FLUX_GRID, latent_width=FLUX_GRID, cfg_scale=4.0)
+        shape, kind, noise = (16, 64), case.sde_kind or "flow_grpo", 1.2
+        real = torch.arange(6)[None, :] < torch.tensor([[6], [4]] * p)[:p]
+        cond = Conditioning(encoder_hidden_states=torch.randn(p, 6, 24, generator=gen) * real[..., None],
+                            negative_encoder_hidden_states=torch.randn(p, 6, 24, generator=gen),
+                            encoder_attention_mask=real,
+                            negative_encoder_attention_mask=(torch.arange(6) < 2).expand(p, 6).clone())
     else:
         velocity = WanVelocity(policy, cfg_scale=4.0, first_frame=case.image == "first_frame")
         shape, kind, noise = (4, 1, 4, 4), case.sde_kind or "wan", 0.7
@@ -194,6 +209,8 @@ def _setup(case: Case, pp_rank: int = 0):
         sigmas = get_sigmas("flux", case.num_steps, image_seq_len=16)
     elif case.family == "sd3":
         sigmas = get_sigmas("sd3", case.num_steps, shift=3.0)
+    elif case.family == "qwen_image":
+        sigmas = get_sigmas("qwen_image", case.num_steps, image_seq_len=16)
     else:
         sigmas = get_sigmas("wan", case.num_steps, shift=3.0)
     return policy, velocity, shape, sigmas, kind, noise, cond
@@ -262,7 +279,8 @@ def run_case(case: Case, reward_fn=None) -> Outcome:
     plan = StepPlan(
         schedule=case.schedule, group_size=case.group_size, prompts_per_step=case.prompts, latent_shape=shape,
         sigmas=sigmas, sde=SDEParams.from_sigmas(kind, noise, sigmas),
-        objective=Objective(clip_range=1e-4, kl_beta=case.kl_beta, kl_form=case.kl_form),
+        objective=Objective(clip_range=1e-4, kl_beta=case.kl_beta, kl_form=case.kl_form, ratio_norm=case.ratio_norm,
+                            grad_reweight=case.grad_reweight),
         selection={"method": case.selection, "fraction": case.fraction, "window_size": case.window,
                    "window_range": case.window_range},
         advantage=case.advantage, adv_clip_max=case.adv_clip_max, global_std=case.global_std, layout=case.layout,
@@ -406,6 +424,38 @@ def test_progressive_window_dpmpp_2m_compressed(family, extra):
     assert float(np.abs(native.trajectory - euler.trajectory).max()) > 1e-4  # the second-order steps ran
 
 
+# GRPO-Guard: RatioNorm and the step weights folded into the recompute-free losses (exact on the first update), and a
+# second update (Native after the first optimizer step) where the ratio moves and the drift term acts
+GUARD = Case(ratio_norm=True, grad_reweight="flow_grpo", updates=2)
+
+
+@pytest.mark.parametrize("case", [GUARD, GUARD.but(family="wan", lora=True, kl_beta=20.0, sde_kind="dance_grpo",
+                                                   grad_reweight="dancegrpo", micro_batch=2, group_size=4)],
+                         ids=["flux_flow_grpo", "wan_dancegrpo_lora_kl_mb2"])
+def test_grpo_guard(case):
+    native, retain, reweight = run_three(case)
+    check_parity(native, retain, reweight, per_sample=case.micro_batch > 1, tol=2e-6)  # measured 2.0e-7, 3.1e-7
+    plain = run_case(case.but(schedule="native", ratio_norm=False, grad_reweight="none"))
+    assert rel_l2(native.grads[0], plain.grads[0]) > 1e-3  # the guard changes the gradient (measured 4.8e-3 with KL)
+    assert native.ratio[1] != (1.0, 1.0)  # the second update is off-policy
+
+
+def test_qwen_image_true_cfg_masked_text_full_finetune():
+    # The last block's idle text MLP holds parameters that never get a gradient (zero, as in diffusers' model).
+    native, retain, reweight = run_three(Case(family="qwen_image"))
+    check_parity(native, retain, reweight, tol=4e-6)  # measured 1.04e-6: true CFG's x4 and norm rescale
+    idle = [g for name, g in zip(native.names, native.grads[0]) if name.startswith("transformer_blocks.1.txt_mlp")]
+    assert len(idle) == 4 and all(not g.any() for g in idle)
+
+
+@pytest.mark.slow
+def test_qwen_image_lora_kl_sde_window():
+    native, retain, reweight = run_three(Case(family="qwen_image", lora=True, kl_beta=10.0, selection="sde_window",
+                                              window=2, window_range=(0, 2)))
+    check_parity(native, retain, reweight, tol=4e-6)
+    assert any("attn.to_v.lora" in name for name in native.names)
+
+
 def test_wan_global_std_with_clamping():
     case = Case(family="wan", global_std=True, adv_clip_max=0.8, accumulate="affine")
     native, retain, reweight = run_three(case)
@@ -435,7 +485,7 @@ def test_reweight_micro_batches_train_every_sample_of_the_per_sample_forwards(mi
 
 
 def test_only_reweight_asks_the_rollout_for_per_sample_forwards(monkeypatch):
-    import leangrpo_mcore.engine.step as step
+    import leangrpo_mcore.engine.step.rollout as step
 
     asked, real = [], step.RolloutLoop
     monkeypatch.setattr(step, "RolloutLoop", lambda *a, **k: asked.append(k["per_sample_grad"]) or real(*a, **k))

@@ -191,7 +191,7 @@ def test_transition_std_both_forms(kind):
     _close(out.std, std.reshape(-1))
     _close(out.std_t, std_t.reshape(-1))
     if kind != "flow_grpo_cps":
-        _close(out.std, out.std_t.double() * np.sqrt(SIGMA - SIGMA_NEXT))
+        _close(out.std, out.std_t.double().numpy() * np.sqrt(SIGMA - SIGMA_NEXT))
 
 
 def test_low_precision_inputs_give_float32_outputs():

@@ -1,8 +1,10 @@
 """MixGRPO-Flash's sampler through the training CLI: the progressive window moves as configured over the steps,
 a run resumed from a checkpoint continues at the same position with the same numbers, and a setting that needs a
-window is one error line naming its key."""
+window is one error line naming its key. GRPO-Guard with two updates per rollout through the same CLI: every key
+its metrics rows carry is documented."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -52,3 +54,33 @@ def test_a_solver_without_a_window_is_one_error_line(capsys, tmp_path):
                                    "train.max_steps=1", "sampler.ode_solver=dpmpp_2m")
     assert code == 2 and len(errors) == 1 and "Traceback" not in output, output
     assert "sampler.ode_solver=dpmpp_2m" in errors[0] and "sampler.sde_window_size" in errors[0]
+
+
+def _documented_keys() -> list[re.Pattern]:
+    """The keys of docs/metrics.md's key table, ``<name>`` placeholders matching any word."""
+    table = (ROOT / "docs" / "metrics.md").read_text(encoding="utf-8").split("\n## ", 1)[0]
+    keys = [key for line in table.splitlines() if line.startswith("| `")
+            for key in re.findall(r"`([^`]+)`", line.split(" | ")[0])]
+    return [re.compile(r"\w+".join(re.escape(part) for part in re.split(r"<[^>]+>", key)) + "$") for key in keys]
+
+
+@pytest.mark.slow
+def test_grpo_guard_ratio_tail_and_two_updates_through_the_cli(tmp_path):
+    """MixGRPO-Flash as published (Euler before the window, a 0.4 tail) with GRPO-Guard and K = 2: two training steps
+    of two optimizer steps each; the rows carry the window's start and the per-step ratios, all documented."""
+    run = tmp_path / "guard"
+    args = [*MIX_FLASH[:-1], "sampler.ode_steps_after_window=0.4", "sampler.ode_solver_before_window=euler",
+            "grpo.ratio_norm=true", "grpo.grad_reweight=flow_grpo", "grpo.updates_per_rollout=2",
+            "grpo.prompts_per_step=2", "optim.lr_scheduler=linear", "optim.warmup_steps=1"]
+    assert main(["--config", TINY_FLUX, f"train.output_dir={run}", "train.max_steps=2", *args]) == 0
+    rows = _rows(run)
+    assert sorted(rows) == [1, 2]
+    # optimizer steps before step 2: 2 (K = 2), one shift each: the window at start 2
+    assert [rows[1]["sde_window_start"], rows[2]["sde_window_start"]] == [0, 2]
+    assert rows[1]["ratio_mean.step_0"] == pytest.approx(rows[1]["ratio_mean"])  # the window's one trained step
+    assert "ratio_mean.step_2" in rows[2] and "clip_fraction.step_2" in rows[2]
+    # the LR schedule spans the 4 optimizer steps (warm-up 1, then linear to 0 at the fourth): after 2 of them 2/3
+    assert rows[2]["lr"] == pytest.approx(rows[1]["lr"] * 2 / 3)
+    patterns = _documented_keys()
+    undocumented = sorted(key for row in rows.values() for key in row if not any(p.match(key) for p in patterns))
+    assert not undocumented, f"metrics keys missing from docs/metrics.md: {undocumented}"

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from leangrpo_mcore.engine.samples import SOURCE_GAP, beside_sources
-from leangrpo_mcore.engine.video import write_video_grid
+from leangrpo_mcore.engine.output.samples import SOURCE_GAP, beside_sources
+from leangrpo_mcore.engine.output.video import write_video_grid
 
 iio = pytest.importorskip("imageio.v3", reason="the 'video' extra is not installed")
 

@@ -10,6 +10,7 @@ from leangrpo_mcore.diffusion import (
     flux_mu,
     flux_sigmas,
     get_sigmas,
+    qwen_image_sigmas,
     sd3_sigmas,
     timesteps_from_sigmas,
     transformer_timestep,
@@ -136,3 +137,28 @@ def test_get_sigmas_errors():
         timesteps_from_sigmas(dance_sigmas(4), "euler")
     with pytest.raises(ValueError, match="valid families: flux, sd3, wan"):
         transformer_timestep(torch.ones(2), "hunyuan")
+
+
+QWEN_IMAGE_SCHEDULER = {"base_image_seq_len": 256, "base_shift": 0.5, "max_image_seq_len": 8192, "max_shift": 0.9,
+                        "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": 0.02,
+                        "time_shift_type": "exponential", "use_dynamic_shifting": True}
+"""Qwen/Qwen-Image's scheduler/scheduler_config.json (the switches that matter; the others are diffusers' defaults)."""
+
+
+@pytest.mark.parametrize("num_steps,image_seq_len", [(10, 1024), (50, 4096), (6, 16), (2, 64), (3, 9000)])
+def test_qwen_image_matches_the_pipeline_and_released_scheduler(num_steps, image_seq_len):
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(QWEN_IMAGE_SCHEDULER)
+    # QwenImagePipeline: linspace sigmas, mu from the scheduler config's shift line, then the terminal stretch.
+    mu = calculate_shift(image_seq_len, 256, 8192, 0.5, 0.9)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+    ours = qwen_image_sigmas(num_steps, image_seq_len)
+    _common_checks(ours, num_steps)
+    assert torch.equal(ours, scheduler.sigmas)
+    assert abs(ours[-2].item() - 0.02) < 1e-7
+    assert torch.equal(get_sigmas("qwen_image", num_steps, image_seq_len=image_seq_len), ours)
+    assert torch.equal(transformer_timestep(timesteps_from_sigmas(ours, "qwen_image")[:-1], "qwen_image"),
+                       scheduler.timesteps / 1000)
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        qwen_image_sigmas(1, image_seq_len)

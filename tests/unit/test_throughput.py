@@ -112,6 +112,24 @@ def test_pass_flops_equal_torch_flop_counter_on_the_wan_policy(rank):
     assert (flops.forward, flops.backward) == (forward, backward)
 
 
+@pytest.mark.parametrize("rank", [0, 2])
+def test_pass_flops_equal_torch_flop_counter_on_the_qwen_image_policy(rank):
+    from leangrpo_mcore.models.qwen_image import PRESETS
+    from leangrpo_mcore.planner.arch_specs import qwen_image_spec
+
+    policy = build_policy({"family": "qwen_image", **PRESETS["qwen-image-tiny"]})
+    if rank:
+        _with_lora(policy, "qwen_image")
+    gen = torch.Generator().manual_seed(0)
+    latents, text = torch.randn(1, 4, 64, generator=gen), torch.randn(1, 3, 24, generator=gen)
+    # txt_in's input gradient counts in a full fine-tune (txt_norm's weight trains); the last block's idle text
+    # MLP and projection count nothing
+    forward, backward = _counted(policy, lambda p: p(latents, text, None, torch.tensor([0.5]), (1, 2, 2)))
+    flops = pass_flops(qwen_image_spec(PRESETS["qwen-image-tiny"]), TOKENS, lora_rank=rank,
+                       lora_targets=DEFAULT_LORA_TARGETS["qwen_image"])
+    assert (flops.forward, flops.backward) == (forward, backward)
+
+
 def test_step_passes_per_schedule():
     # T = 6, |S| = 5: Native rolls out 6 steps without gradients and recomputes 5; the Lean schedules train from 5
     # grad-enabled rollout forwards. KL: a reference forward per trained step, Reweight a second backward.
@@ -195,3 +213,28 @@ def test_step_flops_equal_torch_flop_counter_over_whole_steps(config, overrides)
             bench.step(label, inputs)
         counted = sum(counter.get_flop_counts()[policy].values())
         assert counted == step_flops_for_config(cfg, label).total, label
+
+
+@pytest.mark.slow
+def test_qwen_image_step_flops_follow_the_trimmed_text():
+    """The tiny Qwen-Image's prompts are trimmed per step (padding masked): a whole step of each schedule, true CFG
+    included, counts what torch counts at the step's text length, and the logged throughput uses that length."""
+    from leangrpo_mcore.bench.runner import Bench, BenchOptions
+    from leangrpo_mcore.engine.launch import DistContext
+    from leangrpo_mcore.engine.throughput import step_throughput
+
+    cfg = load_config(str(ROOT / "yaml_configs" / "tiny" / "qwen_image.yaml"))
+    options = BenchOptions(schedules=("native", "reweight"), steps=1, warmup=0, measure_memory=False)
+    bench = Bench(cfg, options, DistContext(0, 1, 0, torch.device("cpu"), "gloo", False))
+    inputs = bench.inputs(0)
+    text = inputs.conditioning.encoder_hidden_states.shape[1]
+    assert text < 16 and inputs.conditioning.encoder_attention_mask is not None  # trimmed, padding masked
+    policy = type(bench.main.parts.policy).__name__
+    for label in options.schedules:
+        with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION) as counter:
+            bench.step(label, inputs)
+        counted = sum(counter.get_flop_counts()[policy].values())
+        assert counted == step_flops_for_config(cfg, label, text_tokens=text).total, label
+        throughput = step_throughput(cfg, label, 1, torch.device("cpu"))
+        tflops = throughput.scalars(1.0, text_tokens=text)["tflops_per_device"]
+        assert tflops * 1e12 == counted < throughput.flops_per_step

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main
-from leangrpo_mcore.engine.trainer import NonFiniteGuard
+from leangrpo_mcore.engine.control.nonfinite import NonFiniteGuard
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 from tests.ckpt_helpers import model_tensors
 from tests.cli_helpers import run_cli

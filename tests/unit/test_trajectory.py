@@ -43,7 +43,8 @@ def _assert_same(a, b):
                 x, y = getattr(a.conditioning, g.name), getattr(b.conditioning, g.name)
                 assert (x is None and y is None) or torch.equal(x, y), g.name
         else:
-            assert torch.equal(getattr(a, f.name), getattr(b, f.name)), f.name
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            assert (x is None and y is None) or torch.equal(x, y), f.name
 
 
 def test_properties_and_selected_steps():
@@ -144,3 +145,15 @@ def test_validate_after_mutation_and_bad_indices():
         Conditioning(encoder_hidden_states=torch.zeros(2, 3, 4), pooled_projections=torch.zeros(2, 3, 1))
     with pytest.raises(ValueError, match="encoder_hidden_states must be"):
         Conditioning(encoder_hidden_states=torch.zeros(2, 3))
+
+
+def test_kept_sde_means_travel_with_the_rows():
+    means = torch.randn(B, T, *LATENT, generator=torch.Generator().manual_seed(5))
+    traj = _trajectory(means=means)
+    _assert_same(traj.select([3, 1]), _trajectory(means=means).select([3, 1]))
+    assert torch.equal(traj.select([3, 1]).means, means[[3, 1]])
+    assert torch.equal(Trajectory.cat(traj.split([2, 3])).means, means)
+    with pytest.raises(ValueError, match="shape"):
+        _trajectory(means=means[:, :2])
+    with pytest.raises(ValueError, match="keep their SDE means and some do not"):
+        Trajectory.cat([traj, _trajectory()])

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from leangrpo_mcore.cli.train import main as train_main
-from leangrpo_mcore.engine import samples
-from leangrpo_mcore.engine.video import save_video_grid
+from leangrpo_mcore.engine.output import samples
+from leangrpo_mcore.engine.output.video import save_video_grid
 from leangrpo_mcore.errors import UserError
 from tests.unit.test_wandb_log import offline as offline_wandb  # noqa: F401 -- the fixture
 
@@ -89,6 +89,28 @@ def test_missing_video_extra_is_one_line(tmp_path, monkeypatch):
     assert not (tmp_path / "v.mp4").exists()
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full (every write: ENOSPC)")
+def test_a_full_disk_is_named_and_leaves_no_file(tmp_path):
+    """ffmpeg writing into a full device: the error line says "No space left on device" (the writer itself only
+    sees ffmpeg's stdin close: "Broken pipe"), and neither the video nor its temporary file is left."""
+    path = tmp_path / "full.mp4"
+    tmp = f"{path}.tmp-{os.getpid()}.mp4"
+    os.symlink("/dev/full", tmp)  # the writer's temporary file, on a device where every write fails with ENOSPC
+    with pytest.raises(UserError) as info:
+        save_video_grid(str(path), _smooth_videos(2, 9, 64, 64), ["a", "b"], [0.0, 1.0])
+    assert str(info.value) == f"cannot write {path}: No space left on device"
+    assert not os.path.lexists(tmp) and not path.exists()
+
+
+def test_ffmpeg_failures_read_from_its_exit_code_or_its_last_line():
+    from leangrpo_mcore.engine.output.video import ffmpeg_failure
+
+    assert ffmpeg_failure(228, b"") == "No space left on device"  # AVERROR(ENOSPC) & 255
+    assert ffmpeg_failure(243, b"") == "Permission denied"  # AVERROR(EACCES)
+    assert ffmpeg_failure(1, b"[out#0] first\n[vf#0] Conversion failed!\n") == "[vf#0] Conversion failed!"
+    assert ffmpeg_failure(1, b"") == "ffmpeg exited with code 1"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb (the 'wandb' extra) is not installed")
 def test_tiny_wan_run_writes_an_mp4_next_to_the_png_and_its_evaluation_one(offline_wandb, tmp_path):
     from tests.unit.test_wandb_log import _history, _run_files
@@ -109,7 +131,7 @@ def test_tiny_wan_run_writes_an_mp4_next_to_the_png_and_its_evaluation_one(offli
     # Frame 0 of the mp4 (the decoded video) shows what the PNG (the decoded first frames) shows.
     first, tiles = _tiles(video[0], 4, 4, 32), _tiles(png.astype(np.uint8), 4, 4, 32)
     assert np.abs(first - tiles).mean() < 8
-    (path,) = _run_files(offline_wandb)
+    (path,) = _run_files(offline_wandb, 1)
     _, rows = _history(path)
     (logged,) = [row for row in rows if "samples_video/_type" in row]
     assert any("eval/samples_video/_type" in row for row in rows)
@@ -118,7 +140,7 @@ def test_tiny_wan_run_writes_an_mp4_next_to_the_png_and_its_evaluation_one(offli
 
 
 def test_run_dir_names_train_and_eval_samples(tmp_path):
-    from leangrpo_mcore.engine.run_dir import RunDir
+    from leangrpo_mcore.engine.output.run_dir import RunDir
 
     run = RunDir(str(tmp_path))
     assert run.sample_path(3) == os.path.join(str(tmp_path), "samples", "step_3.png")

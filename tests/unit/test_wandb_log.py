@@ -12,13 +12,14 @@ import json
 import os
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from leangrpo_mcore.cli.train import main as train_main
-from leangrpo_mcore.engine.wandb_log import RUN_ID_FILE, resolve_run_id
+from leangrpo_mcore.engine.output.wandb_log import RUN_ID_FILE, resolve_run_id
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -51,14 +52,40 @@ def _chunks(path: str):
             yield pending + chunk
 
 
-def _history(run_file: str) -> tuple[str, list[dict]]:
-    """The run id and the history rows ({key: value}) of an offline run's .wandb file."""
+def _records(run_file: str) -> list:
+    """The records of an offline run's .wandb file, as far as it is written."""
     from wandb.proto import wandb_internal_pb2
 
-    run_id, rows = None, []
+    records = []
     for chunk in _chunks(run_file):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(chunk)
+        records.append(record)
+    return records
+
+
+def _finished(run_file: str, timeout_s: float = 300.0) -> list:
+    """The records of ``run_file`` once wandb has written the run's ``exit`` record, its last: wandb's service
+    process writes the file after ``finish()`` returns, later on a loaded machine. Waits for that record (not for a
+    fixed time), failing after ``timeout_s``."""
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            records = _records(run_file)
+        except (OSError, AssertionError, DecodeError):  # not created yet, its header or a record not written yet
+            records = []
+        if any(record.WhichOneof("record_type") == "exit" for record in records):
+            return records
+        assert time.monotonic() < deadline, f"wandb wrote no exit record to {run_file} in {timeout_s} s"
+        time.sleep(0.05)
+
+
+def _history(run_file: str) -> tuple[str, list[dict]]:
+    """The run id and the history rows ({key: value}) of a finished offline run's .wandb file."""
+    run_id, rows = None, []
+    for record in _finished(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run_id = record.run.run_id
@@ -83,8 +110,15 @@ def offline(tmp_path, monkeypatch):
     torch.set_num_threads(threads)
 
 
-def _run_files(wandb_dir: Path) -> list[str]:
-    return sorted(glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
+def _run_files(wandb_dir: Path, count: int, timeout_s: float = 300.0) -> list[str]:
+    """The ``count`` offline run files under ``wandb_dir``, waiting for wandb's service to create them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = sorted(glob.glob(str(wandb_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
+        if len(files) >= count:
+            return files
+        assert time.monotonic() < deadline, f"wandb created {len(files)} of {count} run files in {timeout_s} s"
+        time.sleep(0.05)
 
 
 @needs_wandb
@@ -96,7 +130,7 @@ def test_offline_run_and_resume_continue_one_wandb_run(offline, tmp_path):
     assert train_main([*common, "train.max_steps=2", "checkpoint.resume=auto"]) == 0
     assert (run / RUN_ID_FILE).read_text().strip() == run_id  # the resume kept the id
 
-    files = _run_files(offline)
+    files = _run_files(offline, 2)
     assert len(files) == 2 and all(f.endswith(f"run-{run_id}.wandb") for f in files)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = {}
@@ -117,13 +151,14 @@ def test_offline_run_and_resume_continue_one_wandb_run(offline, tmp_path):
 def test_only_finite_numbers_are_logged(offline):
     import wandb
 
-    from leangrpo_mcore.engine.wandb_log import WandbRun
+    from leangrpo_mcore.engine.output.wandb_log import WandbRun
 
     logger = WandbRun(wandb, wandb.init(mode="offline", id="finite01", dir=str(offline),
                                         settings=wandb.Settings(console="off")))
     logger.log(3, {"step": 3, "a": float("nan"), "b": 1.5, "c.d": 2, "e": float("inf"), "f": True, "g": "x"})
     logger.close()
-    (path,) = _run_files(offline)
+    # the run directory and its file are named at init; the file is complete once its exit record is in it
+    (path,) = _run_files(offline, 1)
     _, rows = _history(path)
     assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows] == [{"b": 1.5, "c/d": 2}]
     assert rows[0]["_step"] == 3

@@ -56,10 +56,29 @@ def test_mixgrpo_flash_is_the_references():
     assert (s.num_steps, s.noise_level, s.sigma_schedule, s.shift, s.sde_kind) == (25, 0.7, "dance", 3.0, "flow_grpo")
     assert (s.sde_window_size, s.sde_window_schedule, s.window_stride, s.window_shift_every) == (4, "progressive", 1, 20)
     assert s.sde_window_range[1] - 1 + s.sde_window_size - 1 == 22
-    assert (s.ode_solver, s.ode_steps_after_window) == ("dpmpp_2m", 7)
-    assert int((25 - 3) * 0.4) - 1 == 7  # the reference's post-window steps at the first window (ratio 0.4)
+    assert (s.ode_solver, s.ode_solver_before_window, s.ode_steps_after_window) == ("dpmpp_2m", "euler", 0.4)
+    from leangrpo_mcore.diffusion.window import ratio_tail_steps
+
+    assert ratio_tail_steps(25, 4, 0.4) == 7  # the reference's post-window steps at the first window: 8 points
+    assert ratio_tail_steps(25, 12, 0.4) == 4 and ratio_tail_steps(25, 23, 0.4) == 1  # shrinking as it moves
     assert (s.height, s.width, s.same_latent, g.group_size, config.optim.lr) == (720, 720, True, 12, 1e-5)
     assert (g.timestep_selection, g.kl_beta, g.clip_range) == ("sde_window", 0.0, 1e-4)
+
+
+def test_grpo_guard_configs_are_the_references():
+    """GRPO-Guard's released SD3.5-M text-rendering setting (FlowGRPO's general_ocr_sd3_rationorm), and FLUX.1-dev's
+    FlowGRPO setting with the same two parts and training shape."""
+    sd3 = load_config(str(ROOT / "yaml_configs" / "sd3" / "grpo_guard_sd35m.yaml"))
+    s, g = sd3.sampler, sd3.grpo
+    assert (s.num_steps, s.noise_level, s.cfg_scale, s.height, s.sde_kind) == (10, 0.7, 4.5, 512, "flow_grpo")
+    assert (g.group_size, g.prompts_per_step, g.updates_per_rollout) == (24, 48, 2)
+    assert (g.ratio_norm, g.grad_reweight, g.clip_range, g.kl_beta, g.global_std) == (True, "flow_grpo", 2e-6, 0.0,
+                                                                                        False)
+    assert (sd3.model.lora.rank, sd3.model.lora.alpha, sd3.optim.lr, sd3.reward.name) == (32, 64.0, 1e-4, "ocr")
+    assert workload_from_config(sd3).selected_steps == 9
+    flux = load_config(str(FLUX / "grpo_guard.yaml"))
+    assert (flux.grpo.ratio_norm, flux.grpo.grad_reweight, flux.grpo.updates_per_rollout) == (True, "flow_grpo", 2)
+    assert (flux.sampler.num_steps, flux.sampler.noise_level, flux.model.lora.rank) == (6, 0.9, 64)
 
 
 def test_wan_experiment_is_the_papers():

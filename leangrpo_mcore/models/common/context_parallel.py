@@ -205,16 +205,33 @@ AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Ten
 
 
 def attend(kernel: AttentionKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           shards: Optional[SequenceShards] = None) -> torch.Tensor:
+           shards: Optional[SequenceShards] = None, *, key_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``kernel(q, k, v)`` over the whole sequence: (B, S_r, H, D) x3 → (B, S_r, H * D).
 
     Without ``shards`` the kernel runs on the given tokens (self-attention without CP, or cross-attention:
     local queries against the full text). With them, q, k and v hold this rank's tokens and the kernel sees
-    every token of H / cp heads (Ulysses).
+    every token of H / cp heads (Ulysses). ``key_mask`` (B, S_keys) bool, True = attend, marks the keys every
+    query may see, in the order the kernel sees them: the given keys without CP, the gathered order with it
+    (:func:`gathered_order`).
     """
+    mask = None if key_mask is None else key_mask[:, None, None, :]
     if shards is None or shards.parts == 1:
-        return kernel(q, k, v)
+        return kernel(q, k, v) if mask is None else kernel(q, k, v, attn_mask=mask)
     full = [_SeqToHeads.apply(t, shards) for t in (q, k, v)]
-    out = kernel(*full)
+    out = kernel(*full) if mask is None else kernel(*full, attn_mask=mask)
     b, s, hc, d = full[0].shape
     return _HeadsToSeq.apply(out.view(b, s, hc, d), shards).flatten(2)
+
+
+def gathered_order(streams: list[tuple[torch.Tensor, Optional[SequenceShards]]], dim: int) -> torch.Tensor:
+    """The whole joint sequence of several streams in the order attention sees its keys.
+
+    Each stream is (the whole stream, its split over the CP group or None). Without CP the order is the streams
+    one after the other; with it each rank holds [its piece of stream 0, of stream 1, ...] and Ulysses gathers
+    the ranks in order, so the keys are rank 0's pieces, then rank 1's, ... (module doc).
+    """
+    if all(shards is None for _, shards in streams):
+        return torch.cat([full for full, _ in streams], dim=dim)
+    parts = streams[0][1].parts
+    pieces = [list(full.split(list(shards.sizes), dim=dim)) for full, shards in streams]
+    return torch.cat([stream[r] for r in range(parts) for stream in pieces], dim=dim)

@@ -13,7 +13,7 @@ with the stored ones. That is what makes a checkpoint load at any world size, FS
 
 The boxes are views of the rank's own storage: saving reads them, loading writes into them in place.
 
-Opaque values (a module's serialized extra state, see :mod:`leangrpo_mcore.engine.extra_state`) travel as
+Opaque values (a module's serialized extra state, see :mod:`leangrpo_mcore.engine.checkpoint.extra_state`) travel as
 ``bytes`` on save, written as they are, and are read back into a ``bytearray`` of the load state dict.
 
 Trust: DCP's ``dcp/.metadata`` is a Python pickle, unpickled by every load (a resume, ``model.path`` at a

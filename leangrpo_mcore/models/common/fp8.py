@@ -23,7 +23,11 @@ import contextlib
 import dataclasses
 from typing import Any, Iterator, Optional
 
-FP8_RECIPES = ("tensorwise", "blockwise", "mxfp8")
+TE_RECIPES = {"tensorwise": ("Float8CurrentScaling", (2, 2)), "blockwise": ("Float8BlockScaling", (2, 3)),
+              "mxfp8": ("MXFP8BlockScaling", (2, 1))}
+"""Per recipe name (megatron's ``fp8_recipe``): the Transformer Engine recipe class megatron-core builds for it and
+the first TE release that has it. Every one exists in the TE range ``setup.py``'s ``te`` extra declares."""
+FP8_RECIPES = tuple(TE_RECIPES)
 _PHASES = ("rollout", "training")
 
 

@@ -1,9 +1,10 @@
 """Rotary position embedding (RoPE) with interleaved pairs, as used by FLUX and Wan.
 
 Channels (2i, 2i+1) of a head form one rotated pair with angle ``pos * theta**(-2i/dim)``. The angle
-table is built in float64 (positions reach thousands; float32 angles lose the low bits that the
-reference implementations keep) and returned as float32 cos/sin of shape (S, dim), each frequency
-repeated twice so that it lines up with both members of its pair. The rotation itself runs in fp32
+table is built in float64 by default (positions reach thousands; float32 angles lose the low bits that the
+reference implementations of FLUX and Wan keep; Qwen-Image's reference computes its angles in float32, and so
+does its family here) and returned as float32 cos/sin of shape (S, dim), each frequency repeated twice so that it
+lines up with both members of its pair. The rotation itself runs in fp32
 whatever the activation dtype, and casts back at the end.
 """
 
@@ -14,26 +15,28 @@ from typing import Sequence
 import torch
 
 
-def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (S, dim), float32, for 1-D ``positions`` (S,) and an even head-channel count ``dim``."""
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float = 10000.0, *,
+                 angle_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (S, dim), float32, for 1-D ``positions`` (S,) and an even head-channel count ``dim``;
+    frequencies and angles computed in ``angle_dtype``."""
     if dim % 2 != 0:
         raise ValueError(f"rotary dimension must be even, got {dim}")
     if positions.ndim != 1:
         raise ValueError(f"positions must be 1-D (S,), got shape {tuple(positions.shape)}")
-    exponent = torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim
+    exponent = torch.arange(0, dim, 2, dtype=angle_dtype, device=positions.device) / dim
     inv_freq = 1.0 / (theta ** exponent)
-    angles = torch.outer(positions.to(torch.float64), inv_freq)
+    angles = torch.outer(positions.to(angle_dtype), inv_freq)
     cos = angles.cos().repeat_interleave(2, dim=1).float()
     sin = angles.sin().repeat_interleave(2, dim=1).float()
     return cos, sin
 
 
-def multi_axis_rope_cos_sin(ids: torch.Tensor, axes_dims: Sequence[int],
-                            theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def multi_axis_rope_cos_sin(ids: torch.Tensor, axes_dims: Sequence[int], theta: float = 10000.0, *,
+                            angle_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (S, sum(axes_dims)) for positions ``ids`` (S, n_axes): one RoPE per axis, concatenated."""
     if ids.ndim != 2 or ids.shape[1] != len(axes_dims):
         raise ValueError(f"ids must be (S, {len(axes_dims)}), got shape {tuple(ids.shape)}")
-    tables = [rope_cos_sin(ids[:, axis], dim, theta) for axis, dim in enumerate(axes_dims)]
+    tables = [rope_cos_sin(ids[:, axis], dim, theta, angle_dtype=angle_dtype) for axis, dim in enumerate(axes_dims)]
     return torch.cat([t[0] for t in tables], dim=-1), torch.cat([t[1] for t in tables], dim=-1)
 
 

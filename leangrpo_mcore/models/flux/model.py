@@ -24,11 +24,12 @@ from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
+from leangrpo_mcore.models.common.mmdit import AdaLayerNormContinuous
 from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, check_boundary
 from leangrpo_mcore.models.common.policy import PolicyMixin
 from leangrpo_mcore.models.common.rope import multi_axis_rope_cos_sin
 from leangrpo_mcore.models.flux.config import LATENT_PACKING, VAE_SCALE_FACTOR, FluxConfig
-from leangrpo_mcore.models.flux.layers import AdaLayerNormContinuous, FluxDoubleBlock, FluxSingleBlock
+from leangrpo_mcore.models.flux.layers import FluxDoubleBlock, FluxSingleBlock
 
 TIMESTEP_CHANNELS = 256
 """Sinusoidal features fed to the timestep / guidance embedders."""
@@ -201,4 +202,8 @@ class FluxTransformer(PolicyMixin, torch.nn.Module):
             # temb rides as one extra token in the model dtype: a single boundary tensor (see the module doc).
             return torch.cat([temb.unsqueeze(1).to(joint.dtype), joint], dim=1)
         x = self.norm_out(joint[:, text_len:], temb)
-        return gather_sequence(self.proj_out(x), img_shards, 1)
+        out = gather_sequence(self.proj_out(x), img_shards, 1)
+        # A linear with a bias on a 3-D input returns a view of its 2-D product (torch's F.linear): the velocity
+        # gets storage of its own (one copy of the output), so that whoever holds it may change it in place
+        # without rebasing a view (FSDP2 registers its pre-backward hook on the output of a wrapped module).
+        return out.clone() if out._base is not None else out

@@ -6,7 +6,7 @@ text stream's ``add_{q,k,v}_proj``) whose output is interleaved per head (head 0
 contiguous TP split gives each rank whole heads. The q/k/v projections and the MLP input are column-parallel,
 the output projections row-parallel, the adaLN linears column-parallel with their output all-gathered (every
 rank holds the whole modulation); the per-head q/k RMSNorm weights are replicated. The adaLN pieces shared
-with FLUX (``AdaLayerNormZero``, ``AdaLayerNormContinuous``, ``FeedForward``) come from its layers.
+with FLUX (``AdaLayerNormZero``, ``AdaLayerNormContinuous``, ``FeedForward``) come from ``common.mmdit``.
 
 SD3 has no RoPE: the joint sequence is [image, text] (diffusers' order), and attention does not depend on the
 order of its keys, so context parallelism may hold [image_r, text_r] on rank r (``common.context_parallel``).
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, attend
 from leangrpo_mcore.models.common.embeddings import modulate
 from leangrpo_mcore.models.common.lora import fuse_slots
+from leangrpo_mcore.models.common.mmdit import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
 from leangrpo_mcore.models.common.norms import LayerNorm, RMSNorm
 from leangrpo_mcore.models.common.tp import divide, gather_from_tp, tp_world_size
-from leangrpo_mcore.models.flux.layers import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
 
 QK_NORM_EPS = 1e-6
 NORM_EPS = 1e-6

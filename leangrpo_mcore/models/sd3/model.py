@@ -22,9 +22,9 @@ from leangrpo_mcore.models.backends import get_backend
 from leangrpo_mcore.models.common.activation_checkpoint import maybe_checkpoint
 from leangrpo_mcore.models.common.context_parallel import SequenceShards, cp_group, gather_sequence
 from leangrpo_mcore.models.common.embeddings import MLPEmbedder, timestep_embedding
+from leangrpo_mcore.models.common.mmdit import AdaLayerNormContinuous
 from leangrpo_mcore.models.common.pipeline import PipelineStage, StageBlocks, check_boundary
 from leangrpo_mcore.models.common.policy import PolicyMixin
-from leangrpo_mcore.models.flux.layers import AdaLayerNormContinuous
 from leangrpo_mcore.models.sd3.config import VAE_SCALE_FACTOR, SD3Config
 from leangrpo_mcore.models.sd3.layers import SD3JointBlock
 

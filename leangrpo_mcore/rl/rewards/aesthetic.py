@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from leangrpo_mcore.errors import UserError
 
-from .clip_models import DEFAULT_BATCH_SIZE, BatchedReward, check_batch_size, load_clip_encoder, local_or_hub
+from .clip_models import (DEFAULT_BATCH_SIZE, BatchedReward, check_batch_size, load_clip_encoder, local_or_hub,
+                          read_state_dict_file)
 from .registry import register_reward
 
 _LINEAR_INDICES = (0, 2, 4, 6, 7)
@@ -28,15 +29,18 @@ _MLP_DOWNLOAD = "sac+logos+ava1-l14-linearMSE.pth (christophschuhmann/improved-a
 _CLIP_DOWNLOAD = "openai/clip-vit-large-patch14 (CLIPModel with its processor)"
 
 
-def aesthetic_mlp(state_dict: Mapping[str, Tensor]) -> nn.Sequential:
+def aesthetic_mlp(state_dict: Mapping[str, Tensor], source: str = "the state dict") -> nn.Sequential:
     """The predictor's ``layers`` Sequential (linears at 0, 2, 4, 6, 7; dropouts at 1, 3, 5) with sizes read from
-    ``state_dict`` (keys ``layers.N.weight`` / ``layers.N.bias``), weights loaded strictly."""
+    ``state_dict`` (keys ``layers.N.weight`` / ``layers.N.bias``), weights loaded strictly; errors name
+    ``source`` (the file)."""
     state_dict = {key.removeprefix("layers."): value for key, value in state_dict.items()}
     try:
         shapes = [tuple(state_dict[f"{index}.weight"].shape) for index in _LINEAR_INDICES]
+        if any(len(shape) != 2 for shape in shapes):
+            raise UserError(f"reward.options.mlp_path: {source}: the linear weights are not matrices ({shapes})")
     except KeyError as exc:
-        raise UserError(f"reward.options.mlp_path: not an aesthetic predictor state dict (no layers.{exc.args[0]})") \
-            from None
+        raise UserError(f"reward.options.mlp_path: {source} is not an aesthetic predictor state dict "
+                        f"(no layers.{exc.args[0]})") from None
     modules: List[nn.Module] = []
     for position, (out_features, in_features) in enumerate(shapes):
         modules.append(nn.Linear(in_features, out_features))
@@ -46,7 +50,7 @@ def aesthetic_mlp(state_dict: Mapping[str, Tensor]) -> nn.Sequential:
     try:
         mlp.load_state_dict(state_dict, strict=True)
     except RuntimeError as exc:
-        raise UserError(f"reward.options.mlp_path: {' '.join(str(exc).split())[:300]}") from None
+        raise UserError(f"reward.options.mlp_path: {source}: {' '.join(str(exc).split())[:300]}") from None
     return mlp
 
 
@@ -63,13 +67,15 @@ class AestheticReward(BatchedReward):
         mlp_file = local_or_hub("mlp_path", mlp_path, _MLP_DOWNLOAD, hub=False)
         if not os.path.isfile(mlp_file):
             raise UserError(f"reward.options.mlp_path: {mlp_file} is not a file; download {_MLP_DOWNLOAD}")
+        # The small head first: a wrong file is reported before the CLIP model is read.
+        mlp = aesthetic_mlp(read_state_dict_file("mlp_path", mlp_file, _MLP_DOWNLOAD), mlp_file)
         self.encoder = load_clip_encoder(path, processor_path, _CLIP_DOWNLOAD, _CLIP_DOWNLOAD, device, dtype,
                                          tokenizer=False)
-        state_dict = torch.load(mlp_file, map_location="cpu", weights_only=True)
-        state_dict = state_dict.get("state_dict", state_dict) if isinstance(state_dict, dict) else state_dict
-        if not isinstance(state_dict, Mapping):
-            raise UserError(f"reward.options.mlp_path: {mlp_file} does not hold a state dict")
-        self.mlp = aesthetic_mlp(state_dict).to(self.encoder.device, self.encoder.dtype).eval().requires_grad_(False)
+        projection = int(self.encoder.model.config.projection_dim)
+        if mlp[0].in_features != projection:
+            raise UserError(f"reward.options.mlp_path: {mlp_file} takes {mlp[0].in_features}-wide embeddings, the "
+                            f"CLIP model in reward.options.path projects to {projection}")
+        self.mlp = mlp.to(self.encoder.device, self.encoder.dtype).eval().requires_grad_(False)
 
     def score(self, images: Tensor, prompts: List[str]) -> Tensor:
         """Aesthetic ratings (b,) float32 of one chunk (the prompts are ignored)."""

@@ -15,13 +15,13 @@ would receive, and the resized image again, as PIL resizes uint8 images to uint8
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from leangrpo_mcore.errors import UserError, require_extra
+from leangrpo_mcore.errors import UserError, exception_line, require_extra
 
 DEFAULT_BATCH_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,26 +69,60 @@ def local_or_hub(key: str, path: Optional[str], download: str, *, hub: bool = Tr
                     f"and point reward.options.{key} at it")
 
 
-def _from_pretrained(key: str, download: str, load: Callable[[], Any]) -> Any:
-    """``load()``, with a failure to read the files (offline hub id, missing files) as one UserError line."""
+def _damaged_weight_file(path: str) -> Optional[str]:
+    """The first ``*.safetensors`` file in directory ``path`` whose header cannot be read (a truncated or
+    overwritten file), or None."""
+    if not os.path.isdir(path):
+        return None
+    from safetensors import safe_open
+
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(path, name), framework="pt"):
+                    pass
+            except Exception:  # noqa: BLE001 -- any failure to read the header marks the damaged file
+                return os.path.join(path, name)
+    return None
+
+
+def _from_pretrained(key: str, path: str, download: str, load: Callable[[], Any]) -> Any:
+    """``load()``, with any failure to read the files (offline hub id, missing, truncated or damaged files) as
+    one UserError line naming the file (a damaged weight file of the directory ``path``, else ``path``)."""
     try:
         return load()
-    except (OSError, ValueError) as exc:
-        detail = " ".join(str(exc).split())[:300]
-        raise UserError(f"reward.options.{key}: cannot load {download}: {type(exc).__name__}: {detail}") from None
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- safetensors, pickle and JSON readers raise their own types
+        culprit = _damaged_weight_file(path) or path
+        raise UserError(f"reward.options.{key}: cannot load {culprit} ({download}): {exception_line(exc)}") from None
+
+
+def read_state_dict_file(key: str, path: str, download: str) -> Mapping[str, Tensor]:
+    """The state dict in the ``torch.save`` file ``path`` (unwrapped from ``{"state_dict": ...}``), loaded with
+    ``weights_only``; an unreadable file, or one that holds no state dict, is one UserError line naming it."""
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 -- unpickler, zip-reader and EOF errors alike
+        raise UserError(f"reward.options.{key}: cannot read {path} ({download}): {exception_line(exc)}") from None
+    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+        loaded = loaded["state_dict"]
+    if not isinstance(loaded, Mapping) or not all(isinstance(value, Tensor) for value in loaded.values()):
+        raise UserError(f"reward.options.{key}: {path} does not hold a state dict of tensors; download {download}")
+    return loaded
 
 
 def load_clip_model(key: str, path: str, download: str, device: torch.device, dtype: torch.dtype) -> Any:
     """A frozen ``CLIPModel`` from ``path`` in ``dtype`` on ``device``, in eval mode."""
     transformers = require_extra("transformers", "rewards", "a CLIP-based reward")
-    model = _from_pretrained(key, download, lambda: transformers.CLIPModel.from_pretrained(path, dtype=dtype))
+    model = _from_pretrained(key, path, download, lambda: transformers.CLIPModel.from_pretrained(path, dtype=dtype))
     return model.to(device).eval().requires_grad_(False)
 
 
 def load_tokenizer(key: str, path: str, download: str) -> Any:
     """The CLIP BPE tokenizer saved in ``path``."""
     transformers = require_extra("transformers", "rewards", "a CLIP-based reward")
-    return _from_pretrained(key, download, lambda: transformers.CLIPTokenizer.from_pretrained(path))
+    return _from_pretrained(key, path, download, lambda: transformers.CLIPTokenizer.from_pretrained(path))
 
 
 def pil_bicubic_resize(levels: Tensor, size: Tuple[int, int]) -> Tensor:
@@ -177,7 +211,7 @@ def load_image_transform(key: str, path: str, download: str) -> ImageTransform:
     """The ``ImageTransform`` of the ``preprocessor_config.json`` in ``path``."""
     transformers = require_extra("transformers", "rewards", "a CLIP-based reward")
     # The PIL flavour reads the same config and needs no torchvision (the default flavour warns without it).
-    processor = _from_pretrained(key, download,
+    processor = _from_pretrained(key, path, download,
                                  lambda: transformers.CLIPImageProcessorPil.from_pretrained(path))
     return ImageTransform.from_processor(processor)
 

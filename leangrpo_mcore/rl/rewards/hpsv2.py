@@ -28,6 +28,7 @@ from .clip_models import (
     ImageTransform,
     check_batch_size,
     load_tokenizer,
+    read_state_dict_file,
     local_or_hub,
     resolve_device,
     resolve_dtype,
@@ -43,15 +44,7 @@ _TOKENIZER_DOWNLOAD = "a CLIP BPE tokenizer (e.g. laion/CLIP-ViT-H-14-laion2B-s3
 
 def load_openclip_state_dict(path: str) -> Dict[str, Tensor]:
     """The open_clip state dict in file ``path`` (unwrapped from ``{"state_dict": ...}``, ``module.`` stripped)."""
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 -- an unreadable checkpoint is one line
-        raise UserError(f"reward.options.path: cannot read {path}: {type(exc).__name__}: "
-                        f"{' '.join(str(exc).split())[:200]}") from None
-    if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
-        loaded = loaded["state_dict"]
-    if not isinstance(loaded, Mapping):
-        raise UserError(f"reward.options.path: {path} does not hold a state dict")
+    loaded = read_state_dict_file("path", path, _DOWNLOAD)
     return strip_module_prefix(loaded)
 
 

@@ -485,7 +485,13 @@ class RemoteReward:
             raise RewardError(f"reward server {self.url} returned a malformed reply (needs {{\"rewards\": [numbers]}})")
         if len(rewards) != batch_size:
             raise RewardError(f"reward server {self.url} returned {len(rewards)} rewards for {batch_size} images")
-        return torch.tensor(rewards, dtype=torch.float32)
+        values = torch.tensor(rewards, dtype=torch.float32)
+        # Python's JSON reader takes NaN and Infinity, and a number beyond float32's range becomes inf here.
+        bad = int((~torch.isfinite(values)).sum())
+        if bad:
+            raise RewardError(f"reward server {self.url} returned {bad} non-finite values (NaN, inf or beyond "
+                              f"float32) among {batch_size} rewards")
+        return values
 
     def _score(self, pixels: np.ndarray, prompts: List[str]) -> Tensor:
         body = json.dumps({"images": _encode_uint8(pixels), "prompts": prompts}).encode("utf-8")

@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-MARKER = "COMPLETE"
+from leangrpo_mcore.engine.output.run_dir import MARKER
+
 _CHUNK = 8 << 20
 
 

@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 
 from leangrpo_mcore.config.schema import Config
 from leangrpo_mcore.engine.launch import get_logger, raise_if_any
-from leangrpo_mcore.engine.run_dir import write_text_atomic
+from leangrpo_mcore.engine.output.run_dir import write_text_atomic
 from leangrpo_mcore.errors import UserError, require_extra
 
 RUN_ID_FILE = "wandb_run_id"

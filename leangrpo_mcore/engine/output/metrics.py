@@ -1,8 +1,8 @@
 """Per-step metrics: one flat JSON object per step into ``metrics.jsonl``, TensorBoard scalars (and wandb's, see
-:mod:`leangrpo_mcore.engine.wandb_log`), progress output (bars on a terminal, one line per step otherwise).
+:mod:`leangrpo_mcore.engine.output.wandb_log`), progress output (bars on a terminal, one line per step otherwise).
 
 Only rank 0 writes. Rows are flushed line by line, so a killed run leaves at most one torn last line (which
-:func:`~leangrpo_mcore.engine.run_dir.read_metrics` ignores). NaN/inf values are written as the strings
+:func:`~leangrpo_mcore.engine.output.run_dir.read_metrics` ignores). NaN/inf values are written as the strings
 ``"nan"``/``"inf"`` (JSON has no such numbers) and left out of TensorBoard. A failed write is one line naming
 the file (see :class:`MetricsLogger`).
 """
@@ -23,7 +23,7 @@ from leangrpo_mcore.engine.launch import LOGGER_NAME
 from leangrpo_mcore.errors import UserError
 
 if TYPE_CHECKING:
-    from leangrpo_mcore.engine.wandb_log import WandbRun
+    from leangrpo_mcore.engine.output.wandb_log import WandbRun
 
 Scalar = float | int
 
@@ -44,6 +44,23 @@ def reward_stats(rewards: torch.Tensor, components: Optional[Mapping[str, torch.
         column = component.detach().double().flatten()
         stats[f"reward_{name}_mean"] = float(column.mean()) if column.numel() else math.nan
     return stats
+
+
+def per_step_ratios(updates: Any) -> dict[str, float]:
+    """``ratio_mean.step_<t>`` and ``clip_fraction.step_<t>`` of every denoising step t trained in a step's updates,
+    pooled over them (each update's ``per_step``: t → (Σρ, clipped ratios, ratios) over the ranks)."""
+    pooled: dict[int, list[float]] = {}
+    for update in updates:
+        for t, values in update.per_step.items():
+            acc = pooled.setdefault(t, [0.0, 0.0, 0.0])
+            for k, value in enumerate(values):
+                acc[k] += value
+    out = {}
+    for t in sorted(pooled):
+        ratio_sum, clipped, count = pooled[t]
+        out[f"ratio_mean.step_{t}"] = ratio_sum / count
+        out[f"clip_fraction.step_{t}"] = clipped / count
+    return out
 
 
 def _json_number(value: Scalar) -> Any:

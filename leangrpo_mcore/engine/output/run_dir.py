@@ -29,10 +29,12 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from leangrpo_mcore.engine.ckpt_manifest import MARKER
 from leangrpo_mcore.engine.launch import get_logger
 from leangrpo_mcore.errors import UserError
 
+MARKER = "COMPLETE"
+"""The file a checkpoint directory holds once it is complete (written last; its content is the checkpoint's
+manifest, :mod:`~leangrpo_mcore.engine.checkpoint.manifest`)."""
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STEP_ANY = re.compile(r"^step_(\d+)(\.tmp-.*)?$")
 
@@ -155,7 +157,7 @@ def remove_unfinished(run_dir: RunDir) -> list[str]:
 
     A ``.tmp-`` directory that holds a ``COMPLETE`` marker is a finished checkpoint caught between the renames
     that publish it; it is deleted only when a complete ``step_<N>`` exists beside it, and kept otherwise
-    (:func:`~leangrpo_mcore.engine.checkpoint.restore_interrupted` puts it back in place).
+    (:func:`~leangrpo_mcore.engine.checkpoint.resume.restore_interrupted` puts it back in place).
     """
     removed = []
     if os.path.isdir(run_dir.root):

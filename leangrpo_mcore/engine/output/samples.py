@@ -1,6 +1,6 @@
 """Sample grids: generated images side by side, each captioned with its prompt and reward (PIL).
 
-Video samples are shown by their first frame here; :mod:`leangrpo_mcore.engine.video` writes the whole clip,
+Video samples are shown by their first frame here; :mod:`leangrpo_mcore.engine.output.video` writes the whole clip,
 one :class:`GridLayout` frame per video frame. Images are float tensors in [0, 1]; the grid is written through a
 temporary file and a rename, so a killed run never leaves a truncated PNG. In an image-conditioned run each tile is
 [source | result] (:func:`beside_sources`): the conditioning image, a white gap, the sample; in a video grid the
