@@ -202,8 +202,6 @@ class FluxTransformer(PolicyMixin, torch.nn.Module):
             # temb rides as one extra token in the model dtype: a single boundary tensor (see the module doc).
             return torch.cat([temb.unsqueeze(1).to(joint.dtype), joint], dim=1)
         x = self.norm_out(joint[:, text_len:], temb)
-        out = gather_sequence(self.proj_out(x), img_shards, 1)
-        # A linear with a bias on a 3-D input returns a view of its 2-D product (torch's F.linear): the velocity
-        # gets storage of its own (one copy of the output), so that whoever holds it may change it in place
-        # without rebasing a view (FSDP2 registers its pre-backward hook on the output of a wrapped module).
-        return out.clone() if out._base is not None else out
+        # a view of the linear's 2-D product; under FSDP2 the unit's output hook gives it storage of its own
+        # (parallel/fsdp.py: _owned_output)
+        return gather_sequence(self.proj_out(x), img_shards, 1)
