@@ -220,8 +220,8 @@ class ArchSpec:
             raise UserError(f"{self.name}: {latent_frames} latent frames do not split into patches of "
                             f"{self.temporal_patch}")
         image = (latent_frames // self.temporal_patch) * (height // s) * (width // s)
-        if reference and self.family == "sd3":
-            raise UserError(f"{self.name}: the planner counts no conditioning image for SD3")
+        if reference and self.family in ("sd3", "qwen_image"):
+            raise UserError(f"{self.name}: the planner counts no conditioning image for {self.family}: it takes none")
         tokens = {"image": image, "text": text_tokens, "joint": image + text_tokens, "sample": 1}
         if self.image_tokens:  # Wan2.1-I2V's CLIP tokens, read by every block's cross-attention
             tokens["clip"] = self.image_tokens

@@ -83,9 +83,9 @@ def test_a_reward_that_needs_the_source_is_refused_without_images(tmp_path):
     with pytest.raises(UserError, match="reward 'first_frame_consistency' compares each sample with its "
                                         "conditioning image: set data.images=true"):
         build.build_data_parts(config, *build.policy_hyper(config), torch.device("cpu"))
-    with pytest.raises(UserError, match="data.images=true: model.family=wan takes no conditioning image"):
-        wan = load_config("yaml_configs/tiny/wan.yaml", ["data.images=true"])
-        build.build_data_parts(wan, *build.policy_hyper(wan), torch.device("cpu"))
+    with pytest.raises(UserError, match="data.images=true: model.family=sd3 takes no conditioning image"):
+        sd3 = load_config("yaml_configs/tiny/sd3.yaml", ["data.images=true"])
+        build.build_data_parts(sd3, *build.policy_hyper(sd3), torch.device("cpu"))
 
 
 @pytest.mark.slow

@@ -52,8 +52,9 @@ def test_a_config_with_images_plans_its_reference_tokens(capsys):
     tokens = arch.tokens(512, 512, reference=True)
     assert arch.latent_elements(tokens) == arch.latent_elements(arch.tokens(512, 512)) == 1024 * 64
     assert arch.reference_elements(tokens) == 1024 * 64
-    with pytest.raises(ValueError, match="FLUX.1-Kontext only"):
-        load_arch("wan2.1-1.3b").tokens(480, 832, 5, reference=True)
+    for preset in ("sd3.5-medium", "qwen-image"):
+        with pytest.raises(ValueError, match="counts no conditioning image"):
+            load_arch(preset).tokens(512, 512, reference=True)
 
 
 def test_the_simulated_config_of_flux_kontext_dev_has_its_images():

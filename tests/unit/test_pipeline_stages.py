@@ -198,7 +198,7 @@ def test_wan_boundary_carries_hidden_temb_modulation_and_text(per_token, rows):
     inputs = _wan_inputs(per_token)
     with torch.no_grad():
         boundary = first(**inputs)
-        temb, modulation, context = whole.condition_embedder(inputs["timestep"], inputs["encoder_hidden_states"])
+        temb, modulation, context, _ = whole.condition_embedder(inputs["timestep"], inputs["encoder_hidden_states"])
     assert boundary.shape == (2, rows, 24)
     tokens = 1 if not per_token else 60
     assert torch.equal(boundary[:, 60:60 + tokens], temb.reshape(2, tokens, 24))
