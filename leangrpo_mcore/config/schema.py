@@ -229,6 +229,11 @@ class ModelConfig:
     vae_path: Optional[str] = None
     """diffusers VAE directory (AutoencoderKL for FLUX and SD3, AutoencoderKLWan for Wan, AutoencoderKLQwenImage for
     Qwen-Image)."""
+    image_encoder_path: Optional[str] = None
+    """The CLIP image encoder of a checkpoint that reads CLIP image tokens beside its conditioning image (Wan2.1-I2V:
+    ``image_dim`` in its config), for a run with ``data.images``: a diffusers pipeline directory with
+    ``image_encoder/`` and ``image_processor/``, or one directory with a ``CLIPVisionModel`` and its
+    ``preprocessor_config.json``. Any other run refuses it."""
 
 
 @dataclass

@@ -35,6 +35,11 @@ class ReferenceRun:
     """The policy's diffusers-style hyper-parameters."""
     frames: int = 1
     """``sampler.frames``: pixel frames of a video."""
+    image_encoder_path: Optional[str] = None
+    """``model.image_encoder_path``: the CLIP image encoder of a checkpoint that reads CLIP image tokens."""
+    reads_weights: bool = True
+    """False for the step simulator, which allocates the fields in their shapes and encodes nothing (no encoder
+    weights are needed then)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,8 @@ def encode_references(family: str, decoder: LatentDecoder, images: torch.Tensor,
     encoder = check_image_conditioning(family).of(run)
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"conditioning images must be (n, 3, H, W), got {tuple(images.shape)}")
+    if run is not None and not run.reads_weights:
+        raise ValueError("a simulated run's ReferenceRun encodes nothing")
     return {name: value.to(torch.float32) for name, value in encoder.encode(decoder, images).items()}
 
 
@@ -110,20 +117,35 @@ def wan_reference_encoder(run: ReferenceRun) -> ReferenceEncoder:
     """Wan image-to-video (``data/wan_image.py``): a checkpoint whose input channels exceed its output channels reads
     the first-frame mask and the image latents of the run's video beside the noisy latents; one with as many
     (Wan2.2-TI2V-5B, trained for it) takes the image's latent frame in place of its first frame, and the sampler's
-    latents are the frames after it. Wan2.1-I2V's CLIP image tokens are not read by a run."""
-    from leangrpo_mcore.data.wan_image import concat_condition, first_frame_condition
+    latents are the frames after it. A checkpoint with ``image_dim`` (Wan2.1-I2V) also reads the image's CLIP tokens
+    (``model.image_encoder_path``), in the ``image_embeds`` field."""
+    from leangrpo_mcore.data.wan_image import ClipImageTokens, concat_condition, first_frame_condition
 
     channels, out = int(run.hyper["in_channels"]), int(run.hyper.get("out_channels") or run.hyper["in_channels"])
+    clip = None
     if run.hyper.get("image_dim") is not None:
-        raise UserError("data.images=true: this Wan checkpoint also reads CLIP image tokens (image_dim), which a "
-                        "run does not compute; the channel-concatenated checkpoints without them (Wan2.2-I2V-A14B) "
-                        "and Wan2.2-TI2V-5B train")
+        if run.image_encoder_path is None and run.reads_weights:
+            raise UserError("data.images=true: this Wan checkpoint also reads CLIP image tokens (image_dim): set "
+                            "model.image_encoder_path to its CLIP image encoder (the pipeline directory with "
+                            "image_encoder/ and image_processor/)")
+        clip = ClipImageTokens(run.image_encoder_path, int(run.hyper["image_dim"]))
+    elif run.image_encoder_path is not None:
+        raise UserError("model.image_encoder_path is set, but this Wan checkpoint reads no CLIP image tokens "
+                        "(no image_dim in its config)")
     temporal = int(run.hyper.get("vae_scale_factor_temporal") or 4)
     if channels > out:
-        return ReferenceEncoder(
-            encode=lambda decoder, images: {"reference_latents": concat_condition(decoder, images, run.frames,
-                                                                                  temporal)},
-            shapes=lambda shape: {"reference_latents": (channels - out, *shape[1:])})
+        def encode(decoder: LatentDecoder, images: torch.Tensor) -> dict[str, torch.Tensor]:
+            fields = {"reference_latents": concat_condition(decoder, images, run.frames, temporal)}
+            return fields if clip is None else {**fields, "image_embeds": clip(images)}
+
+        def shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+            fields = {"reference_latents": (channels - out, *shape[1:])}
+            return fields if clip is None else {**fields, "image_embeds": clip.shape()}
+
+        return ReferenceEncoder(encode=encode, shapes=shapes)
+    if clip is not None:
+        raise UserError("data.images=true: a Wan checkpoint that reads CLIP image tokens must also read the image "
+                        "through its channels (in_channels > out_channels)")
     if (run.frames - 1) // temporal < 1:
         raise UserError(f"data.images=true: Wan's image takes the first latent frame, so a video needs frames to "
                         f"generate after it: sampler.frames >= {temporal + 1}, got {run.frames}")

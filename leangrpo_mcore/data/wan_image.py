@@ -13,14 +13,26 @@ by its generations):
   takes the place of the first latent frame; its tokens get timestep 0 (:func:`first_frame_condition`).
 
 Wan2.1-I2V also reads the image through CLIP ViT-H/14: the penultimate hidden states of ``CLIPVisionModel`` on the
-``CLIPImageProcessor`` view of the image (:func:`clip_image_tokens`, as the pipeline's ``encode_image``).
+``CLIPImageProcessor`` view of the image (:func:`clip_image_tokens`, as the pipeline's ``encode_image``; a run
+loads the encoder once per process, :class:`ClipImageTokens`). The pipeline hands CLIP the image as given and the
+VAE the image resized to the video's size; a run reads each image once, at the run's resolution, and hands that to
+both.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+from typing import Optional
+
 import torch
 
 from leangrpo_mcore.data.vae import LatentDecoder
+from leangrpo_mcore.errors import UserError
+
+CLIP_VIT_H_TOKENS = 257
+"""CLIP ViT-H/14's tokens at 224 px ((224 / 14)^2 patches and the class token): Wan2.1-I2V's image tokens, which a
+simulation without the encoder's files allocates."""
 
 
 def _check_images(images: torch.Tensor) -> None:
@@ -71,3 +83,67 @@ def clip_image_tokens(encoder: torch.nn.Module, processor, images: torch.Tensor)
     out = encoder(pixel_values=inputs["pixel_values"].to(device, next(encoder.parameters()).dtype),
                   output_hidden_states=True)
     return out.hidden_states[-2].float()
+
+
+def _clip_dirs(path: str) -> tuple[Path, Path]:
+    """(the CLIPVisionModel directory, the CLIPImageProcessor directory) of ``model.image_encoder_path``: a pipeline
+    directory's ``image_encoder/`` and ``image_processor/``, or the directory itself for both."""
+    root = Path(path)
+    if (root / "image_encoder").is_dir():
+        processor = root / "image_processor"
+        return root / "image_encoder", processor if processor.is_dir() else root / "image_encoder"
+    return root, root
+
+
+@functools.lru_cache(maxsize=2)
+def _load_clip(path: str, device: str) -> tuple[torch.nn.Module, object]:
+    """The CLIP vision encoder (float32, eval) and its image processor at ``path``, once per process and device."""
+    import importlib.util
+
+    import transformers
+
+    # the class the pipeline loads; without torchvision transformers falls back to the PIL backend (and says so)
+    processor_class = transformers.CLIPImageProcessor if importlib.util.find_spec("torchvision") \
+        else transformers.CLIPImageProcessorPil
+    encoder_dir, processor_dir = _clip_dirs(path)
+    try:
+        encoder = transformers.CLIPVisionModel.from_pretrained(str(encoder_dir), dtype=torch.float32)
+        processor = processor_class.from_pretrained(str(processor_dir))
+    except (OSError, ValueError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(f"model.image_encoder_path={path}: no CLIP image encoder could be loaded there: "
+                        f"{reason}") from None
+    return encoder.eval().requires_grad_(False).to(device), processor
+
+
+class ClipImageTokens:
+    """A run's CLIP image tokens of its conditioning images (Wan2.1-I2V), from ``model.image_encoder_path``."""
+
+    def __init__(self, path: Optional[str], width: int) -> None:
+        """``width``: the checkpoint's ``image_dim``, which the encoder's hidden size must equal."""
+        self.path, self.width = path, width
+
+    def shape(self) -> tuple[int, int]:
+        """(tokens, width) of one image: from the encoder's config where the path is given (no weights read), else
+        CLIP ViT-H/14's 257."""
+        if self.path is None:
+            return CLIP_VIT_H_TOKENS, self.width
+        import transformers
+
+        try:
+            config = transformers.CLIPVisionConfig.from_pretrained(str(_clip_dirs(self.path)[0]))
+        except (OSError, ValueError) as err:
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise UserError(f"model.image_encoder_path={self.path}: no CLIP vision config there: {reason}") from None
+        if config.hidden_size != self.width:
+            raise UserError(f"model.image_encoder_path={self.path}: its hidden size {config.hidden_size} is not the "
+                            f"checkpoint's image_dim {self.width}")
+        return (config.image_size // config.patch_size) ** 2 + 1, self.width
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, I, width) float32 tokens of ``images`` (B, 3, H, W) in [0, 1] (:func:`clip_image_tokens`)."""
+        if self.path is None:
+            raise ValueError("CLIP image tokens need model.image_encoder_path")
+        self.shape()  # the width check, one line
+        encoder, processor = _load_clip(self.path, str(images.device))
+        return clip_image_tokens(encoder, processor, images)

@@ -300,7 +300,8 @@ def build_data_parts(config: Config, family: ModelFamily, diffusers_config: dict
 
 def reference_run(config: Config, diffusers_config: dict) -> ReferenceRun:
     """What a family's reference encoder may depend on: the checkpoint's hyper-parameters and the run's frames."""
-    return ReferenceRun(hyper=dict(diffusers_config), frames=config.sampler.frames)
+    return ReferenceRun(hyper=dict(diffusers_config), frames=config.sampler.frames,
+                        image_encoder_path=config.model.image_encoder_path)
 
 
 def first_frame_conditioning(config: Config, family_name: str, diffusers_config: dict) -> bool:
@@ -341,6 +342,10 @@ def build_text_and_vae(config: Config, family: ModelFamily, diffusers_config: di
         raise UserError("this Wan checkpoint is image-to-video (it reads a conditioning image at every step): set "
                         "data.images=true with a prompt set whose rows name their images (docs/models.md, \"Wan "
                         "image-to-video\")")
+    if m.image_encoder_path is not None and not (fam == "wan" and config.data.images
+                                                 and diffusers_config.get("image_dim") is not None):
+        raise UserError("model.image_encoder_path is read only by a run with data.images=true of a Wan checkpoint "
+                        "that reads CLIP image tokens (image_dim in its config, Wan2.1-I2V)")
     max_length = HASHED_TEXT_LENGTH if m.text_encoder == "hashed" else m.text_max_length
     dims = TextDims.for_policy(fam, diffusers_config, max_length=max_length)
     guidance = s.guidance_scale if diffusers_config.get("guidance_embeds") else None

@@ -118,7 +118,7 @@ def _conditioning(config: Config, hyper: dict, family: str, prompts: int,
     guidance = torch.full((prompts,), s.guidance_scale) if hyper.get("guidance_embeds") else None
     # SD3's guidance also reads the negative prompt's pooled vector
     negative_pooled = torch.zeros_like(pooled) if negative is not None and family == "sd3" else None
-    run = ReferenceRun(hyper=dict(hyper), frames=s.frames)
+    run = ReferenceRun(hyper=dict(hyper), frames=s.frames, image_encoder_path=m.image_encoder_path, reads_weights=False)
     references = {name: torch.zeros(prompts, *shape)
                   for name, shape in reference_shapes(family, latent_shape, run).items()} if config.data.images else {}
     return Conditioning(tokens, pooled, negative, guidance, negative_pooled, **references)

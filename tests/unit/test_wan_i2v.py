@@ -200,3 +200,35 @@ def test_a_run_of_an_image_to_video_checkpoint_is_one_error_line(tmp_path, capsy
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in err and "image-to-video" in errors[0], err
+
+
+def test_a_run_reads_clip_tokens_as_the_pipeline_encodes_them(tmp_path, image):
+    """``model.image_encoder_path`` (a pipeline directory): the run's reference encoder gives the CLIP tokens of
+    WanImageToVideoPipeline.encode_image on the same image, beside the concatenated latents, in the shapes the
+    simulator allocates; a missing, wrong or unneeded encoder is one line."""
+    from leangrpo_mcore.data.reference import ReferenceRun, encode_references, reference_shapes
+
+    encoder, processor = _clip()
+    pipe = _pipeline(tmp_path / "pipe", image_encoder=encoder, image_processor=processor,
+                     transformer=_expert("wan-tiny-i2v", 1))
+    hyper = WanConfig(**PRESETS["wan-tiny-i2v"]).to_diffusers_config()
+    run = ReferenceRun(hyper=hyper, frames=FRAMES, image_encoder_path=str(tmp_path / "pipe"))
+    pixels = _pixels(image)
+    fields = encode_references("wan", LatentDecoder(pipe.vae, "wan"), pixels, run)
+    with torch.no_grad():
+        expected = pipe.encode_image(image, torch.device("cpu"))
+    assert torch.equal(fields["image_embeds"], expected.float())
+    assert fields["image_embeds"].shape == (1, 17, 20)  # (32 / 8)^2 patches and the class token, width image_dim
+    shapes = reference_shapes("wan", (4, 2, 8, 6), run)
+    assert shapes == {"reference_latents": (8, 2, 8, 6), "image_embeds": (17, 20)}
+    assert reference_shapes("wan", (4, 2, 8, 6), ReferenceRun(hyper=hyper, frames=FRAMES, reads_weights=False)
+                            )["image_embeds"] == (257, 20)  # the simulator without the encoder: ViT-H/14's tokens
+    with pytest.raises(UserError, match="set model.image_encoder_path"):
+        encode_references("wan", LatentDecoder(pipe.vae, "wan"), pixels, ReferenceRun(hyper=hyper, frames=FRAMES))
+    with pytest.raises(UserError, match="no CLIP vision config there"):
+        encode_references("wan", LatentDecoder(pipe.vae, "wan"), pixels,
+                          ReferenceRun(hyper=hyper, frames=FRAMES, image_encoder_path=str(tmp_path)))
+    plain = WanConfig(**PRESETS["wan-tiny-i2v-a14b"]).to_diffusers_config()
+    with pytest.raises(UserError, match="reads no CLIP image tokens"):
+        reference_shapes("wan", (4, 2, 8, 6), ReferenceRun(hyper=plain, frames=FRAMES,
+                                                           image_encoder_path=str(tmp_path / "pipe")))
