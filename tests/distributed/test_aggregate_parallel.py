@@ -13,6 +13,7 @@ import torch
 from tests.distributed.launcher import run_ranks
 from tests.unit.test_aggregate_advantages import WEIGHTS, reference_advantages, two_rewards
 from tests.unit.test_schedules_parity import Case, check_parity, rel_l2, run_case
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
 
@@ -38,6 +39,7 @@ def _runs(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def results():
     ranks = run_ranks(_runs, 2, timeout=400)
     threads = torch.get_num_threads()

@@ -15,6 +15,7 @@ import pytest
 from tests.distributed.launcher import run_ranks
 from tests.distributed.test_context_parallel_schedules import _cp_runs, _reference
 from tests.unit.test_schedules_parity import Case, rel_l2
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
 
@@ -23,6 +24,7 @@ WAN_EXACT = Case(family="wan", lora=True, kl_beta=20.0, kl_form="exact", group_s
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def exact_kl_runs():
     cases = {schedule: WAN_EXACT.but(schedule=schedule, cp=2) for schedule in SCHEDULES}
     without_kl = _reference({"native": WAN_EXACT.but(kl_beta=0.0)})["native"]

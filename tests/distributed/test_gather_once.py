@@ -12,6 +12,7 @@ import pytest
 
 from tests.distributed.launcher import run_ranks
 from tests.unit.test_schedules_parity import Case, bitwise, run_case
+from tests.once import once_per_process
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -61,6 +62,7 @@ def _all(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def ranks():
     return run_ranks(_all, 2, timeout=560)
 

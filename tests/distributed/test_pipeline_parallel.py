@@ -25,6 +25,7 @@ import torch
 from tests.ckpt_helpers import model_tensors
 from tests.distributed.launcher import run_ranks, train_ranks
 from tests.unit.test_schedules_parity import KONTEXT, Case, rel_l2, run_case
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
 
@@ -84,6 +85,7 @@ def _stage_grads(reference, outcome) -> tuple[list[np.ndarray], list[np.ndarray]
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def two_stages():
     cases = {f"{family}_{schedule}": case.but(schedule=schedule, pp=2)
              for family, case in (("flux", FLUX), ("wan", WAN)) for schedule in SCHEDULES}
@@ -141,6 +143,7 @@ def test_pp2_equals_world_size_1(two_stages):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def four_ranks():
     cases = {schedule: FLUX.but(schedule=schedule, pp=2) for schedule in SCHEDULES}
     return run_ranks(_run_all, 4, cases, timeout=500), _reference(cases)
@@ -162,6 +165,7 @@ def test_pp2_with_fsdp_inside_each_stage(four_ranks):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def stages_and_cp():
     cases = {f"flux_{schedule}": FLUX.but(schedule=schedule, pp=2, cp=2) for schedule in SCHEDULES}
     cases["wan_reweight"] = WAN.but(schedule="reweight", pp=2, cp=2)  # reference forwards and KL on the pieces

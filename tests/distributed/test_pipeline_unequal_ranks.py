@@ -16,6 +16,7 @@ import pytest
 from tests.distributed.launcher import run_ranks
 from tests.distributed.test_pipeline_parallel import _reference, _run_all, _stage_grads
 from tests.unit.test_schedules_parity import Case, rel_l2
+from tests.once import once_per_process
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -25,6 +26,7 @@ CASES = {"reweight": DANCE.but(schedule="reweight")}
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def unequal_ranks():
     return run_ranks(_run_all, 4, CASES, timeout=500), _reference(CASES)
 

@@ -18,6 +18,7 @@ import torch
 from leangrpo_mcore.cli.train import main as train_main
 from tests.ckpt_helpers import model_tensors
 from tests.distributed.launcher import train_ranks
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
 
@@ -36,6 +37,7 @@ def _flat(tensors: dict) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("ws2") / "run"
     _train(run)
@@ -79,6 +81,7 @@ def test_resume_at_cp2(reference, tmp_path):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def cp_reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("cp2") / "run"
     _train(run, "parallel.cp=2")

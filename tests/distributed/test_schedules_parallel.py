@@ -16,6 +16,7 @@ import torch
 
 from tests.distributed.launcher import run_ranks
 from tests.unit.test_schedules_parity import GUARD, KONTEXT, MIX_FLASH, Case, bitwise, check_parity, rel_l2, run_case
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
 
@@ -68,6 +69,7 @@ def _all_configurations(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def results():
     ranks = run_ranks(_all_configurations, 2, timeout=560)
     threads = torch.get_num_threads()

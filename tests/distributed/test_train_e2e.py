@@ -22,6 +22,7 @@ from leangrpo_mcore.engine.throughput import TIMED_SCALARS
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 from tests.ckpt_helpers import model_tensors, stored_tensors
 from tests.distributed.launcher import free_port, run_ranks
+from tests.once import once_per_process
 
 VARYING = ("time_", "max_rss", *TIMED_SCALARS)
 """Prefixes of the metrics that differ between otherwise identical runs."""
@@ -73,6 +74,7 @@ def _train_here(config: str, run: Path, *overrides: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def flux_world1(tmp_path_factory):
     run = tmp_path_factory.mktemp("flux1") / "run"
     return run, _train_here(TINY["flux"], run)
@@ -115,6 +117,7 @@ def test_flux_world1_trains_and_exports_to_diffusers(flux_world1, tmp_path):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def flux_world2(tmp_path_factory):
     run = tmp_path_factory.mktemp("flux2") / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
@@ -204,6 +207,7 @@ def _world2_runs(rank, world_size, root):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def world2_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("world2")
     codes = run_ranks(_world2_runs, 2, str(root), timeout=300)

@@ -14,6 +14,7 @@ import torch
 from tests.distributed.launcher import run_ranks
 from tests.unit.test_schedules_parity import bitwise, check_parity, rel_l2, run_case
 from tests.unit.test_wan_experts_parity import EXPERTS
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
 
@@ -54,6 +55,7 @@ def _configurations(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def results():
     ranks = run_ranks(_configurations, 2, timeout=500)
     threads = torch.get_num_threads()

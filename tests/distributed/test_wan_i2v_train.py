@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_ranks
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("nvidia.dali", reason="DALI (nvidia-dali-cuda120, in the 'dali' and 'test' extras) is not installed")
@@ -61,6 +62,7 @@ def _runs(rank: int, world_size: int, root: str) -> dict:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan_i2v")
     done = subprocess.run([sys.executable, "tools/make_edit_demo.py", str(root / "demo")], capture_output=True,

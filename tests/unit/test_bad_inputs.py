@@ -10,6 +10,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from tests.once import once_per_process
 import torch
 
 from leangrpo_mcore.cli.convert import main as convert
@@ -121,6 +123,7 @@ def test_the_bearer_token_is_redacted_from_the_error_line_and_file(capsys, tmp_p
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def pipeline_root(tmp_path_factory):
     """A diffusers pipeline root: the tiny FLUX policy under transformer/, a scheduler config with shift 5."""
     base = tmp_path_factory.mktemp("pipeline")

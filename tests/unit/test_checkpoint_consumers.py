@@ -15,6 +15,7 @@ from leangrpo_mcore.cli.eval import main as eval_main
 from leangrpo_mcore.cli.train import main as train_main
 from tests.checkpoint_damage import DAMAGES, damage
 from tests.cli_helpers import run_cli
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,7 @@ EXPECTED = {"flipped_bit": "fails verification: dcp/__0_0.distcp is damaged (che
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def trained(tmp_path_factory):
     """A tiny FLUX run of one step: its directory (one checkpoint, step_1)."""
     run = tmp_path_factory.mktemp("consumers") / "run"

@@ -5,6 +5,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from tests.once import once_per_process
 import torch
 
 from leangrpo_mcore.data.conditioning import HashedTextEncoder, TextDims, build_text_encoder
@@ -92,6 +94,7 @@ def _tokenizer(path, max_length):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def pipelines(tmp_path_factory):
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 

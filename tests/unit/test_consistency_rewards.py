@@ -12,6 +12,7 @@ from leangrpo_mcore.errors import UserError
 from leangrpo_mcore.rl.rewards import REWARDS, RewardError, build_reward, register_reward
 from tests.reward_models import write_tiny_clip_dir
 from tests.unit.test_learned_rewards import _images, _pil, _processor
+from tests.once import once_per_process
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,6 +24,7 @@ if "source_brightness_for_tests" not in REWARDS:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def clip_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("clip")
     write_tiny_clip_dir(root)

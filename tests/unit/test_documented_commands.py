@@ -170,7 +170,8 @@ def documented() -> list[Command]:
 
 
 def runnable(commands: list[Command]) -> list[Command]:
-    """Each command that runs here, once, in page order (a command shown on two pages runs on the first)."""
+    """Each command that runs here, once, in page order (a command shown on two pages is tested on the first; the
+    second page's sandbox runs it too where a later command of its block needs it)."""
     seen, out = set(), []
     for command in commands:
         if command.text not in NOT_RUN and command.text not in seen:
@@ -300,27 +301,29 @@ class Pages:
         return self.sandboxes[page]
 
     def run(self, command: Command):
-        if command.text in self.results:
-            return self.results[command.text]
-        for earlier in RUNNABLE[:RUNNABLE.index(command)]:
-            if (earlier.doc, earlier.block) == (command.doc, command.block):
+        key = (command.doc, command.text)  # the same command on two pages runs in each page's sandbox
+        if key in self.results:
+            return self.results[key]
+        for earlier in COMMANDS[:COMMANDS.index(command)]:  # a block's earlier commands run in its own sandbox,
+            # also one shown on an earlier page too (where its test runs)
+            if (earlier.doc, earlier.block) == (command.doc, command.block) and earlier.text not in NOT_RUN:
                 self.run(earlier)
         if "RUN" in command.text or "<N>" in command.text:
             self.run(next(c for c in RUNNABLE if c.text == DEMO_TRAIN))
         box, text = self.sandbox(command.doc), fill(command.text, placeholders(self.sandbox("README.md").path))
         if command.background:
             box.start(text, timeout=300)
-            self.results[command.text] = None
+            self.results[key] = None
         else:
-            self.results[command.text] = box.run(text, timeout=540)
-        return self.results[command.text]
+            self.results[key] = box.run(text, timeout=540)
+        return self.results[key]
 
     def failed_before(self, command: Command) -> list[str]:
         """The commands it ran after (its block's earlier ones, the demo run) that failed."""
-        before = [c for c in RUNNABLE[:RUNNABLE.index(command)]
+        before = [c for c in COMMANDS[:COMMANDS.index(command)]
                   if (c.doc, c.block) == (command.doc, command.block) or c.text == DEMO_TRAIN]
-        return [c.where for c in before if self.results.get(c.text) is not None
-                and self.results[c.text].returncode != EXPECTED_EXIT.get(c.text, 0)]
+        return [c.where for c in before if self.results.get((c.doc, c.text)) is not None
+                and self.results[(c.doc, c.text)].returncode != EXPECTED_EXIT.get(c.text, 0)]
 
     def close(self) -> None:
         for box in self.sandboxes.values():

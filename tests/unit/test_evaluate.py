@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.once import once_per_process
 import torch
 
 from leangrpo_mcore.cli.convert import main as convert_main
@@ -144,6 +146,7 @@ def test_sde_evaluation_draws_every_step_from_its_own_seed_as_the_rollout_writte
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def trained(tmp_path_factory):
     """A tiny FLUX run of 2 steps that evaluates before training and after each step."""
     run = tmp_path_factory.mktemp("eval") / "run"

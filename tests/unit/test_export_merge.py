@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from leangrpo_mcore.cli.convert import main as convert
 from leangrpo_mcore.cli.train import main as train
 from tests.ckpt_helpers import model_tensors
+from tests.once import once_per_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -25,6 +26,7 @@ HEADS = 2
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def lora_checkpoint(tmp_path_factory):
     """A tiny FLUX LoRA run of 2 steps computing in bf16 (so its frozen base is stored in bf16)."""
     run = tmp_path_factory.mktemp("lora") / "run"

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.once import once_per_process
 import torch
 from PIL import Image
 
@@ -29,6 +31,7 @@ def picture(height: int, width: int, seed: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def files(tmp_path_factory) -> list[Path]:
     """JPEGs and PNGs of several sizes and aspect ratios, a grayscale JPEG and an RGBA PNG."""
     root = tmp_path_factory.mktemp("images")

@@ -15,12 +15,14 @@ from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import FluxVelocity, flux_image_ids
 from leangrpo_mcore.models import load_policy
 from tests.unit.test_flux_model import make_diffusers_flux
+from tests.once import once_per_process
 
 HEIGHT, WIDTH, STEPS, GENERATIONS, TEXT = 32, 48, 4, 3, 7
 GRID = (HEIGHT // 8, WIDTH // 8)  # the VAE latent grid; 2x2 packing gives 2 x 3 = 6 tokens of 16 channels
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def kontext(tmp_path_factory):
     """A tiny random FLUX transformer and VAE saved by diffusers, our policy converted from the former."""
     root = tmp_path_factory.mktemp("kontext")

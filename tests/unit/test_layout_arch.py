@@ -5,6 +5,8 @@ import os
 import warnings
 
 import pytest
+
+from tests.once import once_per_process
 import torch
 
 from leangrpo_mcore.errors import UserError
@@ -48,6 +50,7 @@ def test_published_sizes_within_a_few_percent():
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def tiny_policies():
     from leangrpo_mcore.models import apply_lora, build_policy, get_family, lora_parameters
     from leangrpo_mcore.models.common.lora import LoRAConfig

@@ -5,6 +5,8 @@ in-flight sample, and affine Reweight flat in the number of in-flight samples.""
 from __future__ import annotations
 
 import pytest
+
+from tests.once import once_per_process
 import torch
 
 from leangrpo_mcore.diffusion.sampler import SDEParams
@@ -37,6 +39,7 @@ class ToyVelocity(torch.nn.Module):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def policy():
     return ToyVelocity()
 

@@ -16,7 +16,8 @@ from leangrpo_mcore.planner.arch_specs import BUILTIN_PRESETS
 from leangrpo_mcore.planner.simulate import fake_world, simulate_step
 
 TINY = {"flux": ("yaml_configs/tiny/flux.yaml", "flux-tiny"), "sd3": ("yaml_configs/tiny/sd3.yaml", "sd3-tiny"),
-        "wan": ("yaml_configs/tiny/wan.yaml", "tiny")}
+        "wan": ("yaml_configs/tiny/wan.yaml", "tiny"),
+        "qwen_image": ("yaml_configs/tiny/qwen_image.yaml", "qwen-image-tiny")}
 
 
 def _weightless(preset: str):

@@ -21,6 +21,7 @@ from leangrpo_mcore.diffusion.velocity import QwenImageVelocity, build_velocity_
 from leangrpo_mcore.models import load_policy
 from tests.unit.test_qwen_image_model import make_diffusers_qwen
 from tests.unit.test_sigmas import QWEN_IMAGE_SCHEDULER
+from tests.once import once_per_process
 
 TEXT_WIDTH, MAX_LENGTH = 24, 160  # the byte-level template keeps ~120 states of a short prompt
 PROMPTS = ["a red cat", "a dog on the sea at night, painted in oil with a red sky and a tall white lighthouse",
@@ -45,6 +46,7 @@ def _tokenizer():
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def stack(tmp_path_factory):
     """The tiny stack saved in a diffusers pipeline layout, and QwenImagePipeline over the same components."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline

@@ -20,6 +20,7 @@ from leangrpo_mcore.config.drift import config_changes
 from leangrpo_mcore.engine.build import resolve_plan
 from leangrpo_mcore.engine.launch import DistContext
 from tests.cli_helpers import run_cli
+from tests.once import once_per_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_FLUX = str(ROOT / "yaml_configs" / "tiny" / "flux.yaml")
@@ -37,6 +38,7 @@ def _run(capsys, *argv):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def first_run(tmp_path_factory):
     """A finished one-step run on a four-prompt file: (run directory, prompt file)."""
     base = tmp_path_factory.mktemp("drift")

@@ -5,6 +5,8 @@ scaling and shift factors."""
 from types import SimpleNamespace
 
 import pytest
+
+from tests.once import once_per_process
 import torch
 
 from leangrpo_mcore.data.conditioning import TextDims, build_text_encoder
@@ -35,6 +37,7 @@ def _tokenizer(path, max_length):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def sd3_pipeline_dir(tmp_path_factory):
     """A diffusers-layout SD3 text stack: CLIP-L (width 12, projection 8), CLIP-G (width 16, projection 10), T5
     (d_model 40 > 12 + 16, so the CLIP states are zero-padded)."""

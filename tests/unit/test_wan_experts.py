@@ -5,6 +5,8 @@ switches; a pipeline root converts both ways bit-exactly and its export loads in
 import json
 
 import pytest
+
+from tests.once import once_per_process
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 
@@ -33,6 +35,7 @@ def _diffusers_expert(seed: int) -> WanTransformer3DModel:
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def pipeline_root(tmp_path_factory):
     """(diffusers pipeline with two random experts, its saved root, a work dir)."""
     root = tmp_path_factory.mktemp("a14b")
@@ -44,6 +47,7 @@ def pipeline_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def policy(pipeline_root):
     return load_policy(pipeline_root[1] / "pipe", backend="local")
 

@@ -12,6 +12,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransform
 from leangrpo_mcore.cli.convert import main as convert_main
 from leangrpo_mcore.cli.train import main as train_main
 from tests.unit.test_wan_experts import _diffusers_expert
+from tests.once import once_per_process
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +27,7 @@ def _single_thread(one_thread):
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def pipeline_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("a14b_train") / "pipe"
     WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),

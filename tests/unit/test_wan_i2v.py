@@ -8,6 +8,8 @@ import json
 
 import numpy as np
 import pytest
+
+from tests.once import once_per_process
 import torch
 import transformers
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
@@ -58,6 +60,7 @@ def _clip():
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def image():
     gen = np.random.default_rng(0)
     return Image.fromarray(gen.integers(0, 256, size=(HEIGHT, WIDTH, 3), dtype=np.uint8))

@@ -2,6 +2,8 @@
 and its export loads back into diffusers bit-exactly."""
 
 import pytest
+
+from tests.once import once_per_process
 import torch
 from diffusers import WanTransformer3DModel
 
@@ -34,6 +36,7 @@ def _inputs(frames: int, text_len: int, seed: int, height: int = 8, width: int =
 
 
 @pytest.fixture(scope="module")
+@once_per_process
 def converted(tmp_path_factory):
     """(diffusers reference, our policy loaded from the `leangrpo-convert` output, work dir)."""
     root = tmp_path_factory.mktemp("wan")
