@@ -87,12 +87,17 @@ def clip_image_tokens(encoder: torch.nn.Module, processor, images: torch.Tensor)
 
 def _clip_dirs(path: str) -> tuple[Path, Path]:
     """(the CLIPVisionModel directory, the CLIPImageProcessor directory) of ``model.image_encoder_path``: a pipeline
-    directory's ``image_encoder/`` and ``image_processor/``, or the directory itself for both."""
+    directory's ``image_encoder/`` and ``image_processor/``, or the directory itself for both; UserError without an
+    encoder's config.json there."""
     root = Path(path)
+    encoder, processor = root, root
     if (root / "image_encoder").is_dir():
-        processor = root / "image_processor"
-        return root / "image_encoder", processor if processor.is_dir() else root / "image_encoder"
-    return root, root
+        encoder = root / "image_encoder"
+        processor = root / "image_processor" if (root / "image_processor").is_dir() else encoder
+    if not (encoder / "config.json").is_file():
+        raise UserError(f"model.image_encoder_path={path}: no CLIP image encoder there (no config.json in {encoder}, "
+                        "nor an image_encoder/ folder)")
+    return encoder, processor
 
 
 @functools.lru_cache(maxsize=2)
@@ -130,8 +135,9 @@ class ClipImageTokens:
             return CLIP_VIT_H_TOKENS, self.width
         import transformers
 
+        encoder_dir = _clip_dirs(self.path)[0]
         try:
-            config = transformers.CLIPVisionConfig.from_pretrained(str(_clip_dirs(self.path)[0]))
+            config = transformers.CLIPVisionConfig.from_pretrained(str(encoder_dir))
         except (OSError, ValueError) as err:
             reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise UserError(f"model.image_encoder_path={self.path}: no CLIP vision config there: {reason}") from None

@@ -214,7 +214,7 @@ def test_a_run_reads_clip_tokens_as_the_pipeline_encodes_them(tmp_path, image):
     encoder, processor = _clip()
     pipe = _pipeline(tmp_path / "pipe", image_encoder=encoder, image_processor=processor,
                      transformer=_expert("wan-tiny-i2v", 1))
-    hyper = WanConfig(**PRESETS["wan-tiny-i2v"]).to_diffusers_config()
+    hyper = WanConfig.from_diffusers_config(PRESETS["wan-tiny-i2v"]).to_diffusers_config()
     run = ReferenceRun(hyper=hyper, frames=FRAMES, image_encoder_path=str(tmp_path / "pipe"))
     pixels = _pixels(image)
     fields = encode_references("wan", LatentDecoder(pipe.vae, "wan"), pixels, run)
@@ -228,10 +228,20 @@ def test_a_run_reads_clip_tokens_as_the_pipeline_encodes_them(tmp_path, image):
                             )["image_embeds"] == (257, 20)  # the simulator without the encoder: ViT-H/14's tokens
     with pytest.raises(UserError, match="set model.image_encoder_path"):
         encode_references("wan", LatentDecoder(pipe.vae, "wan"), pixels, ReferenceRun(hyper=hyper, frames=FRAMES))
-    with pytest.raises(UserError, match="no CLIP vision config there"):
+    with pytest.raises(UserError, match="no CLIP image encoder there"):
         encode_references("wan", LatentDecoder(pipe.vae, "wan"), pixels,
                           ReferenceRun(hyper=hyper, frames=FRAMES, image_encoder_path=str(tmp_path)))
-    plain = WanConfig(**PRESETS["wan-tiny-i2v-a14b"]).to_diffusers_config()
+    plain = WanConfig.from_diffusers_config(PRESETS["wan-tiny-i2v-a14b"]).to_diffusers_config()
     with pytest.raises(UserError, match="reads no CLIP image tokens"):
         reference_shapes("wan", (4, 2, 8, 6), ReferenceRun(hyper=plain, frames=FRAMES,
                                                            image_encoder_path=str(tmp_path / "pipe")))
+
+
+def test_an_image_encoder_no_run_reads_is_refused(tmp_path):
+    from leangrpo_mcore.config import load_config
+    from leangrpo_mcore.engine import build
+
+    for config in ("yaml_configs/tiny/flux.yaml", "yaml_configs/tiny/wan.yaml"):
+        cfg = load_config(config, [f"model.image_encoder_path={tmp_path}"])
+        with pytest.raises(UserError, match="model.image_encoder_path is read only by"):
+            build.build_data_parts(cfg, *build.policy_hyper(cfg), torch.device("cpu"))
