@@ -8,6 +8,8 @@ from typing import Optional
 
 from megatron.core.transformer import TransformerConfig
 
+from leangrpo_mcore.models.common.widths import derive_attention_widths
+
 VAE_SCALE_FACTOR = 8
 """FLUX.1's VAE downsamples each image side by 8."""
 LATENT_PACKING = 2
@@ -76,14 +78,7 @@ class FluxConfig(TransformerConfig):
         elif self.num_layers != blocks:
             raise ValueError(f"num_layers ({self.num_layers}) must equal num_double_layers + num_single_layers "
                              f"({blocks})")
-        hidden = self.num_attention_heads * self.attention_head_dim
-        if self.hidden_size == 0:
-            self.hidden_size = hidden
-        elif self.hidden_size != hidden:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must equal num_attention_heads * attention_head_dim "
-                             f"({hidden})")
-        self.kv_channels = self.attention_head_dim
-        self.ffn_hidden_size = int(self.hidden_size * self.mlp_ratio)
+        derive_attention_widths(self)
         super().__post_init__()
 
     @property

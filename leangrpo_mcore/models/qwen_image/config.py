@@ -8,6 +8,8 @@ from typing import Optional
 
 from megatron.core.transformer import TransformerConfig
 
+from leangrpo_mcore.models.common.widths import derive_attention_widths
+
 DIFFUSERS_CLASS_NAME = "QwenImageTransformer2DModel"
 VAE_SCALE_FACTOR = 8
 """Qwen-Image's VAE (``AutoencoderKLQwenImage``, 16 latent channels) downsamples each image side by 8."""
@@ -66,14 +68,7 @@ class QwenImageConfig(TransformerConfig):
         if sum(self.axes_dims_rope) != self.attention_head_dim:
             raise ValueError(f"sum(axes_dims_rope) = {sum(self.axes_dims_rope)} must equal attention_head_dim = "
                              f"{self.attention_head_dim}")
-        hidden = self.num_attention_heads * self.attention_head_dim
-        if self.hidden_size == 0:
-            self.hidden_size = hidden
-        elif self.hidden_size != hidden:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must equal num_attention_heads * attention_head_dim "
-                             f"({hidden})")
-        self.kv_channels = self.attention_head_dim
-        self.ffn_hidden_size = int(self.hidden_size * self.mlp_ratio)
+        derive_attention_widths(self)
         super().__post_init__()
 
     @property

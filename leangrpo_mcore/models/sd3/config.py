@@ -8,6 +8,8 @@ from typing import Optional
 
 from megatron.core.transformer import TransformerConfig
 
+from leangrpo_mcore.models.common.widths import derive_attention_widths
+
 DIFFUSERS_CLASS_NAME = "SD3Transformer2DModel"
 VAE_SCALE_FACTOR = 8
 """The SD3 VAE (16 latent channels) downsamples each image side by 8."""
@@ -70,12 +72,7 @@ class SD3Config(TransformerConfig):
                              f"{self.num_layers} blocks")
         if self.qk_norm not in QK_NORMS:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
-        hidden = self.num_attention_heads * self.attention_head_dim
-        if self.hidden_size == 0:
-            self.hidden_size = hidden
-        elif self.hidden_size != hidden:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must equal num_attention_heads * attention_head_dim "
-                             f"({hidden})")
+        hidden = derive_attention_widths(self)
         if self.caption_projection_dim != hidden:
             raise ValueError(f"caption_projection_dim ({self.caption_projection_dim}) must equal the model width "
                              f"num_attention_heads * attention_head_dim ({hidden})")
@@ -84,8 +81,6 @@ class SD3Config(TransformerConfig):
                              f"of patch_size ({self.patch_size})")
         if hidden % 4:
             raise ValueError(f"the 2-D sin-cos positions need a model width divisible by 4, got {hidden}")
-        self.kv_channels = self.attention_head_dim
-        self.ffn_hidden_size = int(self.hidden_size * self.mlp_ratio)
         super().__post_init__()
 
     @property
