@@ -128,3 +128,18 @@ def train_ranks(*argv: str, nproc: int = 2, timeout: float = 300.0) -> None:
     environment, no process group yet); fails unless every rank exits with 0."""
     codes = run_ranks(_train, nproc, list(argv), timeout=timeout, init=False)
     assert codes == [0] * nproc, f"leangrpo-train exited with {codes}"
+
+
+def train_capturing(argv: list) -> tuple:
+    """(exit code, the 'error:' lines, whether a traceback was printed) of one in-process ``leangrpo-train`` run on
+    this rank."""
+    import contextlib
+    import io
+
+    from leangrpo_mcore.cli.train import main as train_main
+
+    stream = io.StringIO()
+    with contextlib.redirect_stderr(stream):
+        code = train_main(argv)
+    text = stream.getvalue()
+    return code, [line for line in text.splitlines() if line.startswith("error:")], "Traceback" in text

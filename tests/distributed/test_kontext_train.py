@@ -2,8 +2,6 @@
 naming the file and its row on every rank, exit code 2 (the walkthrough's working run, with its [source | result]
 grids and evaluation, is run as written by ``tests/unit/test_documented_commands.py``, ``tests/kontext_checks.py``)."""
 
-import contextlib
-import io
 import json
 import shutil
 import subprocess
@@ -13,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import run_ranks
+from tests.distributed.launcher import run_ranks, train_capturing
 from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
@@ -23,21 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "yaml_configs" / "flux_kontext" / "tiny_edit.yaml")
 
 
-def _main_capturing(argv: list) -> tuple:
-    """(exit code, the 'error:' lines, whether a traceback was printed) of one in-process run."""
-    from leangrpo_mcore.cli.train import main as train_main
-
-    stream = io.StringIO()
-    with contextlib.redirect_stderr(stream):
-        code = train_main(argv)
-    text = stream.getvalue()
-    return code, [line for line in text.splitlines() if line.startswith("error:")], "Traceback" in text
 
 
 def _runs(rank: int, world_size: int, root: str) -> list:
     torch.set_num_threads(1)
     clip = [f"reward.options.reward_options.{name}.path={root}/demo/clip" for name in ("clip_consistency", "clip_score")]
-    return [_main_capturing(["--config", CONFIG, *clip, f"data.prompts={root}/{name}",
+    return [train_capturing(["--config", CONFIG, *clip, f"data.prompts={root}/{name}",
                              f"train.output_dir={root}/out/{name}"]) for name in ("broken", "missing")]
 
 

@@ -4,8 +4,6 @@ World size 1 runs in this process; world size 2 runs once under ``torchrun`` (FL
 once on the gloo launcher (Wan, which also checks that bad input stops every rank with exit code 2).
 """
 
-import contextlib
-import io
 import json
 import os
 import shutil
@@ -21,7 +19,7 @@ from leangrpo_mcore.cli.train import main as train_main
 from leangrpo_mcore.engine.throughput import TIMED_SCALARS
 from leangrpo_mcore.rl.rewards import REWARDS, register_reward
 from tests.ckpt_helpers import model_tensors, stored_tensors
-from tests.distributed.launcher import free_port, run_ranks
+from tests.distributed.launcher import free_port, run_ranks, train_capturing
 from tests.once import once_per_process
 
 VARYING = ("time_", "max_rss", *TIMED_SCALARS)
@@ -182,13 +180,6 @@ def test_wan_world1(tmp_path):
     assert rows[-1]["reward_mean"] != rows[0]["reward_mean"]
 
 
-def _main_capturing(argv: list) -> tuple:
-    """(exit code, the 'error:' lines, whether a traceback was printed) of one in-process run."""
-    stream = io.StringIO()
-    with contextlib.redirect_stderr(stream):
-        code = train_main(argv)
-    text = stream.getvalue()
-    return code, [line for line in text.splitlines() if line.startswith("error:")], "Traceback" in text
 
 
 def _world2_runs(rank, world_size, root):
@@ -203,7 +194,7 @@ def _world2_runs(rank, world_size, root):
               for name, extra in (("bg_sync", ()), ("bg_async", ("reward.async_scoring=true",)))],
             ["--config", TINY["flux"], f"train.output_dir={root}/bg_nan", "reward.name=nan_on_rank1",
              "reward.async_scoring=true"]]
-    return [_main_capturing(argv) for argv in runs]
+    return [train_capturing(argv) for argv in runs]
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ channel-concatenated two-expert checkpoint (Wan2.2-I2V-A14B's layout) trains, an
 (Wan2.1-I2V's layout) with its image encoder; that one without an encoder and an I2V checkpoint without images are
 one error line each."""
 
-import contextlib
-import io
 import json
 import subprocess
 import sys
@@ -15,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.launcher import run_ranks
+from tests.distributed.launcher import run_ranks, train_capturing
 from tests.once import once_per_process
 
 pytestmark = pytest.mark.distributed
@@ -25,15 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "yaml_configs" / "tiny" / "wan_ti2v_i2v.yaml")
 
 
-def _main_capturing(argv: list) -> tuple:
-    """(exit code, the 'error:' lines, whether a traceback was printed) of one in-process run."""
-    from leangrpo_mcore.cli.train import main as train_main
-
-    stream = io.StringIO()
-    with contextlib.redirect_stderr(stream):
-        code = train_main(argv)
-    text = stream.getvalue()
-    return code, [line for line in text.splitlines() if line.startswith("error:")], "Traceback" in text
 
 
 def _runs(rank: int, world_size: int, root: str) -> dict:
@@ -45,16 +34,16 @@ def _runs(rank: int, world_size: int, root: str) -> dict:
     build.build_engine = lambda *a, **k: shapes.append(real(*a, **k)) or shapes[-1]
     data = f"data.prompts={root}/demo/data"
     try:
-        out = {"ti2v": _main_capturing(["--config", CONFIG, data, f"train.output_dir={root}/ti2v"])}
+        out = {"ti2v": train_capturing(["--config", CONFIG, data, f"train.output_dir={root}/ti2v"])}
         out["latent_shape"] = shapes[0].plan.latent_shape
-        out["concat"] = _main_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v-a14b", "train.max_steps=1",
+        out["concat"] = train_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v-a14b", "train.max_steps=1",
                                          "eval.every=0", "logging.sample_every=0", f"train.output_dir={root}/concat"])
-        out["clip"] = _main_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v",
+        out["clip"] = train_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v",
                                        f"train.output_dir={root}/clip"])
-        out["clip_trains"] = _main_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v", "train.max_steps=1",
+        out["clip_trains"] = train_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v", "train.max_steps=1",
                                               f"model.image_encoder_path={root}/clip_encoder", "logging.sample_every=0",
                                               "eval.every=1", f"train.output_dir={root}/clip_trains"])
-        out["no_images"] = _main_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v-a14b",
+        out["no_images"] = train_capturing(["--config", CONFIG, data, "model.preset=wan-tiny-i2v-a14b",
                                             "data.images=false", f"train.output_dir={root}/no_images"])
     finally:
         build.build_engine = real
