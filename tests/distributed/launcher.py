@@ -73,10 +73,21 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
               init: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result. With
     ``init=False`` the ranks start without a process group (``fn`` makes its own from the torchrun-style
-    environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). A port that another process took between
+    :func:`free_port` and the rendezvous (EADDRINUSE, before ``fn`` did any work) is replaced, twice at most."""
+    for attempt in range(3):
+        try:
+            return _run_ranks_on(free_port(), fn, world_size, args, timeout, init)
+        except RuntimeError as err:
+            if "EADDRINUSE" not in str(err) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_ranks_on(port: int, fn: Callable[..., Any], world_size: int, args: tuple, timeout: float,
+                  init: bool) -> list[Any]:
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, results, dict(os.environ), init), daemon=False)
         for rank in range(world_size)
