@@ -23,7 +23,6 @@ import functools
 import json
 import logging
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,8 +45,9 @@ from leangrpo_mcore.engine.control.watchdog import StepWatchdog
 from leangrpo_mcore.engine.evaluate import Evaluator, eval_rewards, write_eval_grid
 from leangrpo_mcore.engine.launch import (DistContext, first_error, get_logger, init_distributed, raise_if_any,
                                           shutdown, user_errors)
-from leangrpo_mcore.engine.output.metrics import MetricsLogger, ProgressBar, per_step_ratios, reward_stats
+from leangrpo_mcore.engine.output.metrics import MetricsLogger, ProgressBar, step_row
 from leangrpo_mcore.engine.output.run_dir import RunDir, append_jsonl, check_fresh_run, prepare, read_metrics
+from leangrpo_mcore.engine.output.summary import run_summary
 from leangrpo_mcore.engine.output.samples import beside_sources, save_grid
 from leangrpo_mcore.engine.output.video import write_video_grid
 from leangrpo_mcore.engine.output.wandb_log import open_wandb
@@ -337,30 +337,11 @@ class Trainer:
                     shadow.lerp_(params[name].detach().float(), 1.0 - decay)
 
     def _row(self, result: StepResult, elapsed: float, skipped: bool, lr: float, *, text_tokens: int) -> dict:
-        components = None
-        if result.component_rewards is not None:
-            names = list(self.config.reward.weights or {})
-            components = {name: result.component_rewards[..., k] for k, name in enumerate(names)}
-        stats = reward_stats(result.rewards, components)
         self.state.step_times.append(elapsed)
-        updates = result.updates
-        row = {**stats, "loss": sum(u.loss for u in updates) / len(updates),
-               "advantage_abs_mean": float(result.advantages.double().abs().mean()),
-               "grad_norm": updates[-1].grad_norm, "clip_fraction": sum(u.clip_fraction for u in updates) / len(updates),
-               "ratio_min": min(u.ratio_min for u in updates), "ratio_max": max(u.ratio_max for u in updates),
-               "ratio_mean": sum(u.ratio_mean for u in updates) / len(updates),
-               "lr": lr, "skipped": int(skipped),
-               "nonfinite_streak": self.state.nonfinite_streak, "time_step_s": elapsed}
-        row.update(self.throughput.scalars(elapsed, text_tokens))
-        row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
-        row.update(per_step_ratios(updates))
-        if result.window_start is not None:
-            row["sde_window_start"] = result.window_start
-        if result.peak_memory_bytes is not None:
-            row["peak_memory_bytes"] = int(result.peak_memory_bytes)
-        # ru_maxrss is in kB on Linux: the process's peak resident memory so far (CPU runs have no allocator peak).
-        row["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        return row
+        return step_row(result, elapsed=elapsed, skipped=skipped, lr=lr,
+                        reward_names=list(self.config.reward.weights or {}),
+                        nonfinite_streak=self.state.nonfinite_streak,
+                        throughput=self.throughput.scalars(elapsed, text_tokens))
 
     def _write_samples(self, step: int) -> None:
         """samples/step_<N>.png (first frames) and, for a video policy, samples/step_<N>.mp4 (rank 0); each tile
@@ -427,27 +408,11 @@ class Trainer:
                                      config_yaml=self.config_yaml)
 
     def _summary(self) -> None:
-        if not self.dist.is_main:
-            return
-        rows = read_metrics(self.run_dir.metrics_path)
-        rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), (int, float))]
-        times = self.state.step_times
-        lines = [f"finished {self.state.step} / {self.config.train.max_steps} steps ({self.schedule} schedule, "
-                 f"world size {self.dist.world_size})"]
-        if rewards:
-            lines.append(f"reward: first {rewards[0]:.4f} -> last {rewards[-1]:.4f} "
-                         f"(change {rewards[-1] - rewards[0]:+.4f})")
-        if times:
-            lines.append(f"mean step time: {sum(times) / len(times):.2f} s over {len(times)} steps this launch")
-        complete = checkpoint.list_complete(self.run_dir)
-        lines.append(f"samples: {self.run_dir.samples_dir}")
-        if self.config.logging.tensorboard:
-            lines.append(f"tensorboard: tensorboard --logdir {self.run_dir.tensorboard_dir}")
-        if complete:
-            latest = complete[-1][1]
-            lines.append(f"checkpoint: {latest} (export: leangrpo-convert mcore-to-diffusers --src {latest} "
-                         f"--dst {os.path.join(self.run_dir.root, 'diffusers')})")
-        print("\n".join(lines), file=sys.stdout, flush=True)
+        if self.dist.is_main:
+            head = (f"finished {self.state.step} / {self.config.train.max_steps} steps ({self.schedule} schedule, "
+                    f"world size {self.dist.world_size})")
+            print(run_summary(self.run_dir, head, self.state.step_times,
+                              tensorboard=self.config.logging.tensorboard), file=sys.stdout, flush=True)
 
 
 def train(config: Config) -> LoopState:

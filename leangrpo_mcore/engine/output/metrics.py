@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import resource
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
@@ -61,6 +62,33 @@ def per_step_ratios(updates: Any) -> dict[str, float]:
         out[f"ratio_mean.step_{t}"] = ratio_sum / count
         out[f"clip_fraction.step_{t}"] = clipped / count
     return out
+
+
+def step_row(result: Any, *, elapsed: float, skipped: bool, lr: float, reward_names: list[str],
+             nonfinite_streak: int, throughput: Mapping[str, float]) -> dict[str, Scalar]:
+    """The ``metrics.jsonl`` row of a step's :class:`~leangrpo_mcore.engine.step.StepResult` (docs/metrics.md):
+    rewards (and the named components of ``reward.aggregate: advantages``), the updates' loss, gradient norm,
+    ratios and clipping, the learning rate, the throughput scalars, the phases' times and the memory peaks."""
+    components = None
+    if result.component_rewards is not None:
+        components = {name: result.component_rewards[..., k] for k, name in enumerate(reward_names)}
+    updates = result.updates
+    row = {**reward_stats(result.rewards, components), "loss": sum(u.loss for u in updates) / len(updates),
+           "advantage_abs_mean": float(result.advantages.double().abs().mean()),
+           "grad_norm": updates[-1].grad_norm, "clip_fraction": sum(u.clip_fraction for u in updates) / len(updates),
+           "ratio_min": min(u.ratio_min for u in updates), "ratio_max": max(u.ratio_max for u in updates),
+           "ratio_mean": sum(u.ratio_mean for u in updates) / len(updates),
+           "lr": lr, "skipped": int(skipped), "nonfinite_streak": nonfinite_streak, "time_step_s": elapsed}
+    row.update(throughput)
+    row.update({f"time_{phase}_s": seconds for phase, seconds in sorted(result.timings.items())})
+    row.update(per_step_ratios(updates))
+    if result.window_start is not None:
+        row["sde_window_start"] = result.window_start
+    if result.peak_memory_bytes is not None:
+        row["peak_memory_bytes"] = int(result.peak_memory_bytes)
+    # ru_maxrss is in kB on Linux: the process's peak resident memory so far (CPU runs have no allocator peak).
+    row["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return row
 
 
 def _json_number(value: Scalar) -> Any:
