@@ -108,10 +108,10 @@ StepCallback = Callable[[StepRecord], None]
 @dataclass
 class TrainedRow:
     """One trained sample of a per-sample step whose grad-enabled forward and backward run elsewhere (pipeline
-    stages: :func:`rollout_together` with ``train_rows``), with what its loss needs."""
+    stages: :func:`~leangrpo_mcore.diffusion.lockstep.rollout_together` with ``train_rows``), with what its loss needs."""
 
     loop: int
-    """Index of its loop in :func:`rollout_together`'s ``loops``."""
+    """Index of its loop in :func:`~leangrpo_mcore.diffusion.lockstep.rollout_together`'s ``loops``."""
     row: int
     """Its row in the loop's micro-batch."""
     latents: torch.Tensor
@@ -235,7 +235,7 @@ def _per_sample_step(velocity_fn: VelocityFn, x: torch.Tensor, sigma: torch.Tens
 
 class RolloutLoop:
     """The denoising loop of one micro-batch, one step at a time (:func:`rollout` drives one to the end;
-    :func:`rollout_together` several in lock-step, each step's forwards handed over at once). Arguments are those
+    :func:`~leangrpo_mcore.diffusion.lockstep.rollout_together` several in lock-step, each step's forwards handed over at once). Arguments are those
     of :func:`rollout`."""
 
     def __init__(self, init_latents: torch.Tensor, sigmas: torch.Tensor, conditioning: Conditioning, *,
@@ -389,7 +389,7 @@ class RolloutLoop:
         self._record(None, prev, log_prob, train, False, means)
 
     def step_with(self, velocity: torch.Tensor) -> None:
-        """Take the next step with its ``velocity`` computed elsewhere (:func:`rollout_together`); a step with
+        """Take the next step with its ``velocity`` computed elsewhere (:func:`~leangrpo_mcore.diffusion.lockstep.rollout_together`); a step with
         gradients needs a velocity that carries its graph, and a whole-batch forward (not ``per_sample_grad``)."""
         grad = self.grad
         if grad and self.per_sample_grad:
@@ -477,94 +477,3 @@ def rollout(
     while not loop.done:
         loop.step(velocity_fn)
     return loop.trajectory()
-
-
-ManyVelocities = Callable[[list[tuple[torch.Tensor, torch.Tensor, Conditioning]]], list[torch.Tensor]]
-"""``velocities([(latents, sigma, conditioning), ...]) -> [velocity, ...]``: several no-grad forwards at once
-(pipeline stages: :meth:`leangrpo_mcore.parallel.stages.StagedVelocity.velocities`)."""
-
-
-def rollout_together(loops: list[RolloutLoop], velocity_fn: VelocityFn, velocities: ManyVelocities, *,
-                     with_grad: bool = False, train_rows: TrainRows | None = None) -> None:
-    """Run ``loops`` to the end in lock-step: a step in which no loop needs gradients hands all their forwards to
-    ``velocities`` at once (entered in each loop's no-grad forward context), and so does, with ``with_grad``, a
-    step in which every loop needs them with whole-batch forwards (``velocities`` then runs under grad and
-    returns velocities that carry their graphs). With ``train_rows`` (per-sample loops: Reweight) a step in which
-    some loop trains hands every untrained forward to ``velocities`` and every trained row, of all the loops, to
-    ``train_rows`` at once. Any other step runs each loop's own forwards through ``velocity_fn``. Every loop
-    takes exactly the steps it takes alone."""
-    while not all(loop.done for loop in loops):
-        active = [loop for loop in loops if not loop.done]
-        grads = {loop.grad for loop in active}
-        if train_rows is not None and True in grads:
-            _per_sample_together(loops, active, velocities, train_rows)
-            continue
-        grad = grads == {True}
-        together = grads == {False} or (grad and with_grad and not any(loop.per_sample_grad for loop in active))
-        if not together:
-            for loop in active:
-                loop.step(velocity_fn)
-            continue
-        with torch.set_grad_enabled(grad), active[0].forward_context(grad):
-            out = velocities([loop.request() for loop in active])
-        for loop, velocity in zip(active, out):
-            loop.step_with(velocity)
-        del out
-
-
-def _per_sample_together(loops: list[RolloutLoop], active: list[RolloutLoop], velocities: ManyVelocities,
-                         train_rows: TrainRows) -> None:
-    """One step of ``active`` per-sample loops: the untrained forwards through ``velocities`` (no grad), the
-    trained rows through ``train_rows``, then each loop's SDE steps."""
-    if not all(loop.per_sample_grad for loop in active if loop.grad):
-        raise RuntimeError("train_rows steps per-sample loops only")
-    requests = [(loop, loop.untrained_request() if loop.grad else loop.request()) for loop in active]
-    requests = [(loop, request) for loop, request in requests if request is not None]
-    rows = [row for loop in active if loop.grad for row in loop.trained_rows(loops.index(loop))]
-    with torch.no_grad(), active[0].forward_context(False):
-        rest = dict(zip((id(loop) for loop, _ in requests), velocities([r for _, r in requests]))) \
-            if requests else {}
-    trained = train_rows(rows)
-    for loop in active:
-        if not loop.grad:
-            loop.step_with(rest[id(loop)])
-            continue
-        index = loops.index(loop)
-        mine = {row.row: velocity for row, velocity in zip(rows, trained) if row.loop == index}
-        loop.step_per_sample_with(rest.get(id(loop)), mine)
-
-
-@dataclass(frozen=True)
-class RolloutInputs:
-    """The seeded inputs of a micro-batch's rollout (everything random, drawn before the first forward)."""
-
-    init_latents: torch.Tensor
-    """(B, *shape) float32 initial noise."""
-    selected: torch.Tensor
-    """(B, T) bool trained steps."""
-    sde_steps: torch.Tensor
-    """(B, T) bool SDE steps."""
-    noise_seeds: torch.Tensor
-    """(B, T) int64 SDE-noise seeds."""
-
-
-def draw_rollout_inputs(*, base_seed: int, step: int, prompt_slots: list[int], generation_ids: list[int],
-                        latent_shape: tuple[int, ...], num_steps: int, selection: dict,
-                        same_latent: bool = False, device: torch.device | str = "cpu") -> RolloutInputs:
-    """Seed everything of B samples named by (prompt slot, generation) — independent of rank and schedule.
-
-    ``selection`` holds the keyword arguments of :func:`leangrpo_mcore.diffusion.selection.select_steps`
-    besides the sample names (method, fraction, window_size, window_range, window_start).
-    """
-    from leangrpo_mcore.diffusion.seeding import initial_noise, sde_noise_seeds
-    from leangrpo_mcore.diffusion.selection import select_steps
-
-    init = initial_noise(base_seed, step, prompt_slots, generation_ids, latent_shape, same_latent=same_latent,
-                         device=device)
-    picked = select_steps(selection["method"], num_steps=num_steps, fraction=selection["fraction"],
-                          base_seed=base_seed, step=step, prompt_slots=prompt_slots, generation_ids=generation_ids,
-                          window_size=selection.get("window_size", 0),
-                          window_range=selection.get("window_range", (0, 1)),
-                          window_start=selection.get("window_start"))
-    seeds = sde_noise_seeds(base_seed, step, prompt_slots, generation_ids, num_steps)
-    return RolloutInputs(init_latents=init, selected=picked.selected, sde_steps=picked.sde, noise_seeds=seeds)

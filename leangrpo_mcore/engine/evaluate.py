@@ -30,7 +30,8 @@ from leangrpo_mcore.data.conditioning import TextEncoder
 from leangrpo_mcore.data.prompts import PromptDataset, eval_source
 from leangrpo_mcore.data.reference import encode_references
 from leangrpo_mcore.data.vae import PACKED_FAMILIES, DecodedImages, LatentDecoder
-from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, rollout_together
+from leangrpo_mcore.diffusion.lockstep import rollout_together
+from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams
 from leangrpo_mcore.diffusion.seeding import eval_inputs
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import finish_latents

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.diffusion import sampler as sampler_module
-from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, rollout_together
+from leangrpo_mcore.diffusion.lockstep import rollout_together
+from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams
 from leangrpo_mcore.diffusion.sde import transition_std
 from leangrpo_mcore.diffusion.seeding import generator
 from leangrpo_mcore.diffusion.trajectory import Conditioning

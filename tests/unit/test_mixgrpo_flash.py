@@ -16,7 +16,8 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler
 
-from leangrpo_mcore.diffusion.sampler import SDEParams, draw_rollout_inputs, rollout
+from leangrpo_mcore.diffusion.draws import draw_rollout_inputs
+from leangrpo_mcore.diffusion.sampler import SDEParams, rollout
 from leangrpo_mcore.diffusion.sigmas import SigmaSpec
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.window import SDEWindow

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from leangrpo_mcore.diffusion.ode_solvers import make_ode_solver
-from leangrpo_mcore.diffusion.sampler import SDEParams, draw_rollout_inputs, rollout
+from leangrpo_mcore.diffusion.draws import draw_rollout_inputs
+from leangrpo_mcore.diffusion.sampler import SDEParams, rollout
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 

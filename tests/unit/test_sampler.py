@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, draw_rollout_inputs, rollout, rollout_together
+from leangrpo_mcore.diffusion.draws import draw_rollout_inputs
+from leangrpo_mcore.diffusion.lockstep import rollout_together
+from leangrpo_mcore.diffusion.sampler import RolloutLoop, SDEParams, rollout
 from leangrpo_mcore.diffusion.sigmas import get_sigmas
 from leangrpo_mcore.diffusion.trajectory import Conditioning
 from leangrpo_mcore.diffusion.velocity import FluxVelocity, WanVelocity, flux_image_ids, pack_flux_latents, unpack_flux_latents

@@ -7,7 +7,9 @@ import dataclasses
 
 import torch
 
-from leangrpo_mcore.diffusion.sampler import RolloutInputs, RolloutLoop, draw_rollout_inputs, rollout_together
+from leangrpo_mcore.diffusion.draws import RolloutInputs, draw_rollout_inputs
+from leangrpo_mcore.diffusion.lockstep import rollout_together
+from leangrpo_mcore.diffusion.sampler import RolloutLoop
 from leangrpo_mcore.engine.step.records import GroupRecord, ScoringGroup, StepInputs
 from leangrpo_mcore.parallel.groups import PromptShare
 from leangrpo_mcore.schedules.base import PhaseTimer
