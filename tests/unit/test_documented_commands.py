@@ -130,6 +130,9 @@ NOT_RUN = {
     "leangrpo-plan --model wan2.2-ti2v-5b --nodes 1 --gpus-per-node 8 --gpu-mem-gb 48 --resolution 704x1280 "
     "--frames 49 --num-steps 16 --selected-steps 16 --group-size 8 --simulate all --json": (
         TOO_LONG, "three full-scale simulations, up to 4 minutes each"),
+    "leangrpo-plan --model qwen-image --gpus-per-node 8 --gpu-mem-gb 80 --simulate --json": (
+        TOO_LONG, "a full-scale simulation of Qwen-Image, about 70 s; every preset simulates without weights at tiny "
+                  "sizes in tests/unit/test_plan_without_weights.py"),
     "leangrpo-plan --config yaml_configs/flux_dev/flowgrpo_lora.yaml --gpus-per-node 8 --gpu-mem-gb 48 --simulate": (
         TOO_LONG, "a full-scale simulation of about 2 minutes; every preset simulates without weights at tiny sizes "
                   "in tests/unit/test_plan_without_weights.py"),
